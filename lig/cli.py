@@ -1,0 +1,55 @@
+"""``lig <command>``: dispatch to the module that implements each subcommand.
+
+Each command module exposes ``configure(parser)`` to add its flags and ``run(args) -> int``.
+Modules are imported only when their command runs, so ``lig sim`` does not pay for gRPC imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("lig.up", "run the whole local stack: NATS, registry, collector, pickers, Envoy, sims"),
+    "status": ("lig.status", "show pods, their latest metrics and freshness, and picker counts"),
+    "picker": ("services.picker.main", "serve Envoy ext_proc: pick a pod per request"),
+    "collector": ("services.collector.main", "scrape model servers and publish metric snapshots"),
+    "registry": ("services.registry.main", "publish pools, models and endpoints from YAML files"),
+    "sim": ("simulator.main", "run simulated vLLM model servers (OpenAI API and vLLM metrics)"),
+    "explain": ("lig.explain", "run a scheduling policy on given pods and show every step"),
+    "metrics": ("lig.metrics_check", "show what the gateway reads from a model server's /metrics"),
+    "bench": ("scheduling_bench.main", "compare scheduling policies on a simulated fleet"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lig",
+        description="llm-instance-gateway: an LLM-aware endpoint picker for vLLM fleets.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n"
+        + "\n".join(f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items())
+        + "\n\nRun 'lig <command> --help' for a command's flags.",
+    )
+    parser.add_argument("command", choices=COMMANDS, metavar="command", help="see below")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lig`` console script."""
+    top = _top_parser().parse_args(argv if argv is not None else sys.argv[1:])
+    module_name, summary = COMMANDS[top.command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=f"lig {top.command}",
+        description=summary,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    module.configure(parser)
+    return module.run(parser.parse_args(top.args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

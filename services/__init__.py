@@ -1,0 +1,1 @@
+"""The long-running services: picker, collector, registry."""

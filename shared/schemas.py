@@ -1,0 +1,139 @@
+"""Wire messages shared by the services (msgspec Structs, msgpack on NATS).
+
+Every message carries ``schema``, the version of this file's contract; decoders reject other
+versions so that a mixed-version fleet fails loudly instead of misreading fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class Criticality(enum.StrEnum):
+    """How much a request matters when the fleet is saturated (InferenceModel.criticality)."""
+
+    CRITICAL = "Critical"
+    STANDARD = "Standard"
+    SHEDDABLE = "Sheddable"
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    """One model-server pod of a pool."""
+
+    name: str
+    address: str
+    port: int
+    labels: dict[str, str] = {}
+
+    @property
+    def hostport(self) -> str:
+        """``ip:port`` as Envoy's ORIGINAL_DST cluster expects it."""
+        return f"{self.address}:{self.port}"
+
+
+class EndpointSet(msgspec.Struct, frozen=True):
+    """The current members of a pool (KV key ``endpoints.<pool>``)."""
+
+    pool: str
+    endpoints: tuple[Endpoint, ...] = ()
+    schema: int = SCHEMA_VERSION
+
+
+class PolicyConfig(msgspec.Struct, frozen=True):
+    """Which scheduling policy a pool uses, and its parameters (thresholds) by name."""
+
+    name: str = "filter-tree"
+    params: dict[str, Any] = {}
+
+
+class InferencePool(msgspec.Struct, frozen=True):
+    """A pool of model servers (KV key ``pool.<pool>``); mirrors the InferencePool CRD."""
+
+    name: str
+    target_port: int
+    selector: dict[str, str] = {}
+    metrics_path: str = "/metrics"
+    metrics_port: int | None = None
+    policy: PolicyConfig = PolicyConfig()
+    reject_unknown_models: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+class TargetModel(msgspec.Struct, frozen=True):
+    """A model or LoRA adapter that serves part of an InferenceModel's traffic."""
+
+    name: str
+    weight: int = 1
+
+
+class InferenceModel(msgspec.Struct, frozen=True):
+    """A client-facing model name (KV key ``model.<pool>.<model>``); mirrors the CRD."""
+
+    model_name: str
+    pool: str
+    criticality: Criticality = Criticality.STANDARD
+    target_models: tuple[TargetModel, ...] = ()
+    schema: int = SCHEMA_VERSION
+
+
+class PodMetrics(msgspec.Struct, frozen=True):
+    """One scrape of one pod, published on ``<prefix>.metrics.<pool>.<pod>``.
+
+    A failed scrape has ``ok=False``, ``error`` set and zeroed metric fields. ``missing`` lists
+    the metric families the page lacked (their fields keep their defaults).
+    """
+
+    pool: str
+    pod: str
+    address: str
+    seq: int
+    scrape_time_ns: int
+    scrape_duration_s: float
+    ok: bool
+    error: str | None = None
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    max_lora: int | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    missing: tuple[str, ...] = ()
+    schema: int = SCHEMA_VERSION
+
+
+class DecodeError(ValueError):
+    """A NATS payload could not be decoded into the expected message type."""
+
+
+M = TypeVar("M", bound=msgspec.Struct)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """Encode a message as msgpack for NATS."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, message_type: type[M]) -> M:
+    """Decode msgpack ``data`` as ``message_type``; raise :class:`DecodeError` on any failure."""
+    decoder = _decoders.get(message_type)
+    if decoder is None:
+        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
+    try:
+        message = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"undecodable {message_type.__name__}: {exc}") from exc
+    if message.schema != SCHEMA_VERSION:  # type: ignore[attr-defined]
+        raise DecodeError(
+            f"{message_type.__name__} has schema {message.schema}, expected {SCHEMA_VERSION}"  # type: ignore[attr-defined]
+        )
+    return message

@@ -1,0 +1,1 @@
+"""Test helpers that start real processes (NATS, Envoy, simulators) on loopback."""
