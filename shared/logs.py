@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 import time
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--log-level`` (default from ``LIG_LOG_LEVEL``, else INFO)."""
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("LIG_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="log verbosity (env LIG_LOG_LEVEL)",
+    )
 
 
 def setup_logging(service: str, level: str = "INFO") -> None:
