@@ -1,0 +1,94 @@
+"""The registry view other services keep: pure apply logic, and the watcher on a real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import pytest
+
+from shared.nats_connection import NatsSettings, connect
+from shared.registry_view import RegistryView, RegistryWatcher
+from shared.schemas import (
+    DecodeError,
+    Endpoint,
+    EndpointSet,
+    InferenceModel,
+    InferencePool,
+    encode,
+)
+from shared.subjects import Subjects, endpoints_key, model_key, pool_key
+from tests.support.waiting import eventually
+
+POOL = InferencePool(name="pool.a", target_port=8000)
+MODEL = InferenceModel(model_name="llama/3.1", pool="pool.a")
+ENDPOINTS = EndpointSet(pool="pool.a", endpoints=(Endpoint("pod-0", "127.0.0.1", 8000),))
+
+
+def test_apply_sets_and_deletes_by_key() -> None:
+    view = RegistryView()
+    view.apply(pool_key("pool.a"), encode(POOL))
+    view.apply(model_key("pool.a", "llama/3.1"), encode(MODEL))
+    view.apply(endpoints_key("pool.a"), encode(ENDPOINTS))
+    assert view.pools == {"pool.a": POOL}
+    assert view.models == {"pool.a": {"llama/3.1": MODEL}}
+    assert view.endpoints["pool.a"] == ENDPOINTS
+    view.apply(model_key("pool.a", "llama/3.1"), None)
+    assert view.models == {"pool.a": {}}
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("pool.x", b"\x00garbage"), ("weird.x", encode(POOL)), ("model.onlypool", encode(MODEL)),
+     (pool_key("x"), encode(MODEL))],
+)
+def test_apply_rejects_bad_entries(key: str, value: bytes) -> None:
+    view = RegistryView()
+    with pytest.raises(DecodeError):
+        view.apply(key, value)
+    assert not view.pools
+
+
+async def test_watcher_follows_bucket_and_resyncs_after_nats_restart(nats_server) -> None:
+    subjects = Subjects()
+    watcher: RegistryWatcher | None = None
+
+    async def on_reconnect() -> None:
+        assert watcher is not None
+        watcher.resync()
+
+    client = await connect(NatsSettings(url=nats_server.url), "test", on_reconnect=on_reconnect)
+    js = client.jetstream()
+    undecodable: list[str] = []
+    watcher = RegistryWatcher(js, subjects.registry_bucket, RegistryView(),
+                              on_undecodable=lambda key, exc: undecodable.append(key),
+                              retry_interval=0.1)
+    stop = asyncio.Event()
+    task = asyncio.create_task(watcher.run(stop))
+    try:
+        await asyncio.sleep(0.2)  # the watcher waits for the bucket to exist
+        kv = await js.create_key_value(bucket=subjects.registry_bucket, history=5)
+        await kv.put(pool_key("pool.a"), encode(POOL))
+        await kv.put(model_key("pool.a", "llama/3.1"), b"not msgpack")
+        await asyncio.wait_for(watcher.synced.wait(), 5)
+        await eventually(lambda: "pool.a" in watcher.view.pools)
+        await kv.put(endpoints_key("pool.a"), encode(ENDPOINTS))
+        await eventually(lambda: "pool.a" in watcher.view.endpoints)
+        assert undecodable == [model_key("pool.a", "llama/3.1")]
+
+        nats_server.restart()
+        await eventually(lambda: client.is_connected, within=10)
+        for _ in range(50):  # JetStream needs a moment after a restart to recover its streams
+            try:
+                kv = await js.key_value(subjects.registry_bucket)
+                await kv.delete(endpoints_key("pool.a"))
+                break
+            except nats.errors.Error:
+                await asyncio.sleep(0.1)
+        await kv.put(model_key("pool.a", "llama/3.1"), encode(MODEL))
+        await eventually(lambda: "pool.a" not in watcher.view.endpoints
+                     and "llama/3.1" in watcher.view.models.get("pool.a", {}), within=5)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await client.close()
