@@ -1,0 +1,209 @@
+"""``lig explain``: run a scheduling policy on pods and a request from files, show every step.
+
+Pods file: a JSON list of objects with ``name`` (required), ``address``, ``waiting``, ``running``,
+``kv_cache_usage`` (0..1), ``running_adapters``, ``waiting_adapters``, ``max_lora`` and
+``in_flight``. Request file: an object with ``model``, optional ``target_model`` (defaults to
+``model``) and ``criticality`` (Critical | Standard | Sheddable, default Standard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from services.picker.scheduling import (
+    Decision,
+    PodView,
+    PolicyConfigError,
+    SchedulingRequest,
+    StepTrace,
+    build_policy,
+    policy_names,
+)
+from shared.schemas import Criticality, PolicyConfig
+
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+_SHOWN_NAMES = 8  # pod names listed per step in text output before "+N more"
+
+
+class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One pod of the pods file."""
+
+    name: str
+    address: str = ""
+    waiting: NonNegativeInt = 0
+    running: NonNegativeInt = 0
+    kv_cache_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    running_adapters: list[str] = []
+    waiting_adapters: list[str] = []
+    max_lora: NonNegativeInt = 0
+    in_flight: NonNegativeInt = 0
+
+
+class RequestEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The request file."""
+
+    model: str
+    target_model: str | None = None
+    criticality: Criticality = Criticality.STANDARD
+
+
+class InputError(Exception):
+    """A one-line message about a bad input file or flag."""
+
+
+class ExplainOutput(msgspec.Struct):
+    """What ``--json`` prints."""
+
+    policy: str
+    request: RequestEntry
+    candidates: list[str]
+    pick: str | None
+    shed: bool
+    steps: list[StepTrace]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``lig explain``."""
+    parser.add_argument("--pods", required=True, type=Path, help="JSON list of pods")
+    parser.add_argument("--request", required=True, type=Path, help="JSON request object")
+    parser.add_argument("--policy", default="filter-tree", choices=policy_names())
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the final random pick")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy parameter (repeatable), e.g. queueing_threshold_lora=20; "
+        "VALUE is read as JSON when it parses, else as a string",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the policy once and print the explanation; 2 on bad input."""
+    try:
+        pods = _read_pods(args.pods)
+        request = _read(args.request, RequestEntry)
+        params = _parse_params(args.param)
+        policy = build_policy(PolicyConfig(name=args.policy, params=params), _rng(args.seed))
+    except InputError as exc:
+        print(f"lig explain: {exc}", file=sys.stderr)
+        return 2
+    except PolicyConfigError as exc:
+        print(f"lig explain: --param: {exc}", file=sys.stderr)
+        return 2
+    scheduling_request = SchedulingRequest(
+        model=request.model,
+        target_model=request.target_model or request.model,
+        criticality=request.criticality,
+    )
+    decision = policy.schedule(scheduling_request, pods, explain=True)
+    resolved = msgspec.structs.replace(request, target_model=scheduling_request.target_model)
+    if args.json:
+        output = ExplainOutput(
+            policy=policy.name,
+            request=resolved,
+            candidates=[pod.name for pod in decision.candidates],
+            pick=decision.pick.name if decision.pick else None,
+            shed=decision.shed,
+            steps=list(decision.steps),
+        )
+        print(msgspec.json.encode(output).decode())
+    else:
+        print(_render(policy.name, resolved, len(pods), decision))
+    return 0
+
+
+T = TypeVar("T")
+
+
+def _read(path: Path, entry_type: type[T]) -> T:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return msgspec.json.decode(data, type=entry_type)
+    except msgspec.ValidationError as exc:
+        message, _, where = str(exc).partition(" - at ")
+        at = f" at {where.strip('`')}" if where else ""
+        raise InputError(f"{path}{at}: {message}") from None
+    except msgspec.DecodeError as exc:
+        raise InputError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _read_pods(path: Path) -> list[PodView]:
+    entries = _read(path, list[PodEntry])
+    seen: set[str] = set()
+    pods = []
+    for index, entry in enumerate(entries):
+        if entry.name in seen:
+            raise InputError(f"{path} at $[{index}].name: duplicate pod name {entry.name!r}")
+        seen.add(entry.name)
+        pods.append(
+            PodView(
+                name=entry.name,
+                address=entry.address,
+                waiting=entry.waiting,
+                running=entry.running,
+                kv_cache_usage=entry.kv_cache_usage,
+                running_adapters=frozenset(entry.running_adapters),
+                waiting_adapters=frozenset(entry.waiting_adapters),
+                max_lora=entry.max_lora,
+                in_flight=entry.in_flight,
+            )
+        )
+    return pods
+
+
+def _parse_params(items: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--param {item!r}: expected KEY=VALUE")
+        try:
+            params[key] = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            params[key] = raw
+    return params
+
+
+def _rng(seed: int | None) -> random.Random:
+    return random.Random(seed)
+
+
+def _render(policy: str, request: RequestEntry, pod_count: int, decision: Decision) -> str:
+    lines = [
+        f"policy {policy} on {pod_count} pods; request model={request.model} "
+        f"target_model={request.target_model} criticality={request.criticality.value}",
+    ]
+    if decision.steps:
+        lines.append("path:")
+        width = max(len(step.step) for step in decision.steps)
+        for number, step in enumerate(decision.steps, start=1):
+            outcome = f"{len(step.entered)} in -> {len(step.kept)} kept"
+            kept = f" [{_names(step.kept)}]" if step.kept else ""
+            lines.append(f"  {number:>2}. {step.step:<{width}}  {outcome}{kept}  {step.branch}")
+    lines.append(f"candidates: {_names(tuple(pod.name for pod in decision.candidates)) or '-'}")
+    if decision.pick is not None:
+        lines.append(f"pick: {decision.pick.name} ({decision.pick.address or 'no address'})")
+    elif decision.shed:
+        lines.append("pick: none - shed (the picker answers 429)")
+    elif pod_count == 0:
+        lines.append("pick: none - no pods (the picker answers 503)")
+    else:
+        lines.append("pick: none - no candidate left (the picker answers 503)")
+    return "\n".join(lines)
+
+
+def _names(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:_SHOWN_NAMES])
+    hidden = len(names) - _SHOWN_NAMES
+    return f"{shown}, +{hidden} more" if hidden > 0 else shown

@@ -1,0 +1,26 @@
+"""Scheduling: choose a model-server pod for a request from fresh per-pod metrics.
+
+Entry point: ``build_policy(PolicyConfig, rng)`` returns a :class:`Policy` whose
+``schedule(request, pods, explain=False)`` returns a :class:`Decision`.
+"""
+
+from services.picker.scheduling.params import PolicyConfigError
+from services.picker.scheduling.policies import build_policy, policy_names
+from services.picker.scheduling.types import (
+    Decision,
+    PodView,
+    Policy,
+    SchedulingRequest,
+    StepTrace,
+)
+
+__all__ = [
+    "Decision",
+    "PodView",
+    "Policy",
+    "PolicyConfigError",
+    "SchedulingRequest",
+    "StepTrace",
+    "build_policy",
+    "policy_names",
+]

@@ -1,0 +1,1 @@
+"""One scheduling plugin per module; ``registry.py`` maps their type names to factories."""

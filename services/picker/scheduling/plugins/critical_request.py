@@ -1,0 +1,31 @@
+"""``critical_request``: keep every pod unless the request is Sheddable (upstream's root step).
+
+Upstream's request has a boolean ``Critical``; here Critical and Standard both count as critical,
+so only Sheddable requests fail this step and take the sheddable branch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.picker.scheduling.plugin import no_params
+from services.picker.scheduling.types import PodView, SchedulingRequest
+from shared.schemas import Criticality
+
+
+class CriticalRequest:
+    """Pass all pods through for Critical and Standard requests, none for Sheddable ones."""
+
+    __slots__ = ()
+
+    def filter(self, request: SchedulingRequest, pods: Sequence[PodView]) -> Sequence[PodView]:
+        """Keep ``pods`` as they are, or nothing for a sheddable request."""
+        return () if request.criticality is Criticality.SHEDDABLE else pods
+
+
+def create(params: Mapping[str, Any], rng: random.Random) -> CriticalRequest:
+    """Build the filter (it takes no parameters)."""
+    no_params(params, "critical_request")
+    return CriticalRequest()

@@ -1,0 +1,30 @@
+"""``in_flight``: score pods by this picker's requests in flight to them, fewer is better.
+
+In-flight counts react to this picker's own decisions immediately, while scraped metrics lag by
+a scrape interval; used as a tie-break they spread bursts that arrive between two scrapes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.picker.scheduling.plugin import no_params
+from services.picker.scheduling.types import PodView, SchedulingRequest
+
+
+class InFlightScorer:
+    """Score ``-in_flight``."""
+
+    __slots__ = ()
+
+    def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
+        """One score per pod: the negated in-flight count."""
+        return [-pod.in_flight for pod in pods]
+
+
+def create(params: Mapping[str, Any], rng: random.Random) -> InFlightScorer:
+    """Build the scorer (it takes no parameters)."""
+    no_params(params, "in_flight")
+    return InFlightScorer()

@@ -1,0 +1,29 @@
+"""``random``: pick uniformly at random among the candidates (upstream's final ``rand.Intn``)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.picker.scheduling.plugin import no_params
+from services.picker.scheduling.types import PodView, SchedulingRequest
+
+
+class RandomPicker:
+    """Uniform choice from the policy's injected random source (seedable, so reproducible)."""
+
+    __slots__ = ("_choice",)
+
+    def __init__(self, rng: random.Random) -> None:
+        self._choice = rng.choice
+
+    def pick(self, request: SchedulingRequest, pods: Sequence[PodView]) -> PodView:
+        """Return a uniformly chosen pod."""
+        return self._choice(pods)
+
+
+def create(params: Mapping[str, Any], rng: random.Random) -> RandomPicker:
+    """Build the picker (it takes no parameters)."""
+    no_params(params, "random")
+    return RandomPicker(rng)
