@@ -112,13 +112,19 @@ class RegistryWatcher:
 
     async def _watch_once(self) -> None:
         kv = await self._bucket_when_ready()
+        empty = (await kv.status()).values == 0
         watcher = await kv.watchall()
         try:
             snapshot = RegistryView()
-            async for entry in watcher:
-                if entry is None:
-                    break
-                self._apply(snapshot, entry)
+            # nats-py can send its "initial values done" marker (None) before the values
+            # themselves, so the snapshot ends with the entry that had nothing pending behind it.
+            if not empty:
+                async for entry in watcher:
+                    if entry is None:
+                        continue
+                    self._apply(snapshot, entry)
+                    if entry.delta == 0:
+                        break
             self.view.replace_with(snapshot)
             self.synced.set()
             log.info("registry synced: %d pools, %d models, %d endpoint sets",

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 try:
     import uvloop
@@ -30,3 +31,17 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
     if uvloop is not None:
         return uvloop.run(runner())
     return asyncio.run(runner())
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], grace: float = 1.5) -> None:
+    """Cancel ``task`` and wait up to ``grace`` seconds for it to end, cancelling it again
+    every 0.5 s: on Python 3.11 ``asyncio.wait_for`` (which nats-py uses while connecting) can
+    swallow a cancellation, and a service must still stop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while not task.done():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(0.5, remaining))

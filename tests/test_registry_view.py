@@ -92,3 +92,26 @@ async def test_watcher_follows_bucket_and_resyncs_after_nats_restart(nats_server
         stop.set()
         await asyncio.wait_for(task, 5)
         await client.close()
+
+
+async def test_first_sync_holds_every_existing_key(nats_server) -> None:
+    subjects = Subjects()
+    client = await connect(NatsSettings(url=nats_server.url), "test")
+    js = client.jetstream()
+    kv = await js.create_key_value(bucket=subjects.registry_bucket, history=5)
+    for i in range(300):
+        await kv.put(pool_key(f"pool-{i}"), encode(InferencePool(name=f"pool-{i}", target_port=1)))
+    await kv.delete(pool_key("pool-7"))
+    sizes_at_change: list[int] = []
+    watcher = RegistryWatcher(js, subjects.registry_bucket, RegistryView(),
+                              on_change=lambda: sizes_at_change.append(len(watcher.view.pools)))
+    stop = asyncio.Event()
+    task = asyncio.create_task(watcher.run(stop))
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 5)
+        assert sizes_at_change[0] == 299
+        assert "pool-7" not in watcher.view.pools
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await client.close()

@@ -1,0 +1,112 @@
+"""``lig registry PATH...``: publish pools, models and endpoints from YAML files into JetStream KV.
+
+Wiring only: the input format is in :mod:`.crd`, validation in :mod:`.loader`, file reading in
+:mod:`.files`, the KV diff in :mod:`.publisher` and the watch/reload/publish loop in
+:mod:`.reconciler`. SIGHUP forces a reload; SIGTERM/SIGINT stop within about a second.
+``--check`` validates and prints a summary without NATS (exit 2 on invalid input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from functools import partial
+
+from prometheus_client import start_http_server
+
+from services.registry.check import EXIT_INVALID, check
+from services.registry.metrics import RegistryMetrics
+from services.registry.publisher import Publisher
+from services.registry.reconciler import Reconciler
+from shared.logs import add_logging_arguments, setup_logging
+from shared.nats_connection import add_nats_arguments, connect, settings_from_args
+from shared.service import cancel_and_wait, run_service
+from shared.subjects import Subjects
+
+log = logging.getLogger("lig.registry")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the registry's flags."""
+    env_paths = [p for p in os.environ.get("LIG_REGISTRY_PATHS", "").split(":") if p]
+    parser.add_argument("paths", nargs="*", metavar="PATH", default=env_paths,
+                        help="YAML files or folders of InferencePool/InferenceModel objects "
+                             "(env LIG_REGISTRY_PATHS, colon-separated)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the inputs, print a summary and exit (2 when invalid); "
+                             "needs no NATS")
+    parser.add_argument("--host", default=os.environ.get("LIG_HOST", "0.0.0.0"),
+                        help="address the metrics server listens on (env LIG_HOST)")
+    parser.add_argument("--metrics-port", type=int, default=9092,
+                        help="Prometheus metrics port; 0 disables")
+    parser.add_argument("--watch-interval", type=float, default=0.5,
+                        help="seconds between checks of the inputs for changes; 0 reloads "
+                             "only on SIGHUP")
+    parser.add_argument("--resync-interval", type=float, default=30.0,
+                        help="seconds between checks that the bucket still holds the desired "
+                             "state; 0 checks only after changes and reconnects")
+    add_nats_arguments(parser)
+    add_logging_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate (``--check``) or serve until SIGTERM."""
+    if not args.paths:
+        print("lig registry: no PATH given (or set LIG_REGISTRY_PATHS)", file=sys.stderr)
+        return EXIT_INVALID
+    if args.check:
+        return check(args.paths, sys.stdout, sys.stderr)
+    setup_logging("registry", args.log_level)
+    return run_service(partial(_serve, args))
+
+
+async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    metrics = RegistryMetrics()
+    reconciler = Reconciler(args.paths, metrics, watch_interval=args.watch_interval,
+                            resync_interval=args.resync_interval)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reconciler.request_reload)
+    # Validate before connecting, so that input errors show even while NATS is unreachable.
+    await reconciler.check_inputs()
+    server = None
+    if args.metrics_port:
+        server, _ = start_http_server(args.metrics_port, args.host, registry=metrics.registry)
+    work = asyncio.create_task(_publish_forever(args, reconciler, metrics_port=args.metrics_port))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    await cancel_and_wait(work)
+    code = 0
+    if work.done() and not work.cancelled() and work.exception() is not None:
+        # e.g. NATS refused our credentials: say so instead of dying silently
+        log.error("registry failed", exc_info=work.exception())
+        code = 1
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    log.info("registry stopped")
+    return code
+
+
+async def _publish_forever(
+    args: argparse.Namespace, reconciler: Reconciler, metrics_port: int
+) -> None:
+    settings = settings_from_args(args)
+
+    async def on_reconnect() -> None:
+        reconciler.request_resync()
+
+    nc = await connect(settings, "lig-registry", on_reconnect=on_reconnect)
+    try:
+        bucket = Subjects(settings.prefix).registry_bucket
+        metrics_at = f"http://{args.host}:{metrics_port}/metrics" if metrics_port else "disabled"
+        log.info("ready: watching %s, publishing to KV bucket %s at %s; metrics %s",
+                 ", ".join(reconciler.paths), bucket, settings.url, metrics_at)
+        await reconciler.run(Publisher(nc.jetstream(), bucket))
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 1.0)

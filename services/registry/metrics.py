@@ -1,0 +1,77 @@
+"""The registry's own Prometheus metrics (``lig_registry_*``), in a registry of their own."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.registry.loader import Registry
+from services.registry.publisher import Plan
+
+
+class RegistryMetrics:
+    """Reload outcomes, what is published, and when things last went right."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.reloads = Counter(
+            "lig_registry_reloads", "Input reloads by outcome (ok, invalid)", ["outcome"],
+            registry=self.registry,
+        )
+        self.input_valid = Gauge(
+            "lig_registry_input_valid", "1 when the newest input was valid, 0 when it was rejected",
+            registry=self.registry,
+        )
+        self.last_reload = Gauge(
+            "lig_registry_last_successful_reload_timestamp_seconds",
+            "Unix time of the newest valid reload", registry=self.registry,
+        )
+        self.objects = Gauge(
+            "lig_registry_objects", "Objects in the desired state by kind (pool, model, endpoints)",
+            ["kind"], registry=self.registry,
+        )
+        self.writes = Counter(
+            "lig_registry_kv_writes", "KV writes by operation (put, delete)", ["op"],
+            registry=self.registry,
+        )
+        self.publishes = Counter(
+            "lig_registry_publishes", "Publish passes by outcome (ok, error)", ["outcome"],
+            registry=self.registry,
+        )
+        self.last_publish = Gauge(
+            "lig_registry_last_successful_publish_timestamp_seconds",
+            "Unix time of the newest pass that left the bucket equal to the desired state",
+            registry=self.registry,
+        )
+        for outcome in ("ok", "invalid"):
+            self.reloads.labels(outcome)
+        for outcome in ("ok", "error"):
+            self.publishes.labels(outcome)
+        for op in ("put", "delete"):
+            self.writes.labels(op)
+
+    def reload_ok(self, desired: Registry) -> None:
+        """Count a valid reload and record the size of the new desired state."""
+        self.reloads.labels("ok").inc()
+        self.input_valid.set(1)
+        self.last_reload.set(time.time())
+        self.objects.labels("pool").set(len(desired.pools))
+        self.objects.labels("model").set(len(desired.models))
+        self.objects.labels("endpoints").set(len(desired.endpoint_sets))
+
+    def reload_invalid(self) -> None:
+        """Count a rejected reload (the previous state stays published)."""
+        self.reloads.labels("invalid").inc()
+        self.input_valid.set(0)
+
+    def published(self, done: Plan) -> None:
+        """Count a successful publish pass and its writes."""
+        self.publishes.labels("ok").inc()
+        self.writes.labels("put").inc(len(done.puts))
+        self.writes.labels("delete").inc(len(done.deletes))
+        self.last_publish.set(time.time())
+
+    def publish_failed(self) -> None:
+        """Count a publish pass that failed (it will be retried)."""
+        self.publishes.labels("error").inc()

@@ -1,0 +1,122 @@
+"""Making the JetStream KV bucket hold exactly the desired registry, writing only differences.
+
+Keys (``shared.subjects``): ``pool.<pool>``, ``endpoints.<pool>``, ``model.<pool>.<model>``;
+values are ``shared.schemas.encode(...)`` of the wire messages. A pass reads the bucket's current
+values, puts the keys whose bytes differ and deletes (a KV delete marker, kept in the history) the
+managed keys no longer desired. Writes are idempotent, so several registry instances with the same
+inputs converge on the same bucket without rewriting it. Puts go pools first and models last,
+deletes the other way round, so a watcher never sees a model whose pool is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from services.registry.loader import Registry
+from shared.schemas import encode
+from shared.subjects import endpoints_key, model_key, pool_key
+
+log = logging.getLogger("lig.registry.publisher")
+
+# Key families the registry owns; keys outside them are left alone.
+_ORDER = ("pool.", "endpoints.", "model.")
+HISTORY = 5
+
+
+class Plan(msgspec.Struct, frozen=True):
+    """What a pass must write: puts and deletes in a safe order, and how many keys are equal."""
+
+    puts: tuple[tuple[str, bytes], ...] = ()
+    deletes: tuple[str, ...] = ()
+    unchanged: int = 0
+
+
+def desired_entries(registry: Registry) -> dict[str, bytes]:
+    """The bucket contents that represent ``registry``."""
+    entries = {pool_key(p.name): encode(p) for p in registry.pools}
+    entries |= {endpoints_key(e.pool): encode(e) for e in registry.endpoint_sets}
+    entries |= {model_key(m.pool, m.model_name): encode(m) for m in registry.models}
+    return entries
+
+
+def plan(desired: Mapping[str, bytes], current: Mapping[str, bytes]) -> Plan:
+    """Compare desired with current bucket contents (deleted keys absent from both)."""
+    puts = sorted(
+        ((key, value) for key, value in desired.items() if current.get(key) != value),
+        key=lambda item: _rank(item[0]),
+    )
+    deletes = sorted(
+        (key for key in current if key not in desired and _rank(key) < len(_ORDER)),
+        key=lambda key: -_rank(key),
+    )
+    unchanged = sum(1 for key, value in desired.items() if current.get(key) == value)
+    return Plan(tuple(puts), tuple(deletes), unchanged)
+
+
+def _rank(key: str) -> int:
+    return next((i for i, prefix in enumerate(_ORDER) if key.startswith(prefix)), len(_ORDER))
+
+
+class Publisher:
+    """Publishes desired registries into one bucket, creating the bucket when it is missing."""
+
+    def __init__(self, js: JetStreamContext, bucket: str) -> None:
+        self._js = js
+        self._bucket = bucket
+
+    async def publish(self, registry: Registry) -> Plan:
+        """Make the bucket equal to ``registry``; return what was written."""
+        kv = await self._open_bucket()
+        current = await read_bucket(self._js, self._bucket)
+        todo = plan(desired_entries(registry),
+                    {key: entry.value or b"" for key, entry in current.items()})
+        for key, value in todo.puts:
+            await kv.put(key, value)
+        for key in todo.deletes:
+            await kv.delete(key)
+        return todo
+
+    async def _open_bucket(self) -> KeyValue:
+        # Looked up on every pass: after a NATS restart with a fresh store the bucket is gone.
+        try:
+            return await self._js.key_value(self._bucket)
+        except BucketNotFoundError:
+            pass
+        config = KeyValueConfig(
+            bucket=self._bucket, history=HISTORY, description="lig: pools, models, endpoints"
+        )
+        try:
+            kv = await self._js.create_key_value(config)
+        except BadRequestError:
+            # Another instance created it first, perhaps with other settings: use theirs.
+            return await self._js.key_value(self._bucket)
+        log.info("created KV bucket %s (history %d)", self._bucket, HISTORY)
+        return kv
+
+
+async def read_bucket(js: JetStreamContext, bucket: str) -> dict[str, KeyValue.Entry]:
+    """The latest entry of every live key of ``bucket``.
+
+    Lists the stream's subjects, then gets each key. (A KV watcher would be one pass, but nats-py's
+    watcher can signal "no more values" before delivering them when the server is quick, which
+    would make live keys look absent.)
+    """
+    kv = await js.key_value(bucket)
+    prefix = KV_PRE_TEMPLATE.format(bucket=bucket)
+    info = await js.stream_info(KV_STREAM_TEMPLATE.format(bucket=bucket), subjects_filter=">")
+    entries: dict[str, KeyValue.Entry] = {}
+    for subject in sorted(info.state.subjects or {}):
+        key = subject.removeprefix(prefix)
+        try:
+            entries[key] = await kv.get(key)
+        except KeyNotFoundError:  # its newest message is a delete or purge marker
+            continue
+    return entries

@@ -1,0 +1,145 @@
+"""The registry's control loop: keep the KV bucket equal to the newest valid input.
+
+Every ``watch_interval`` the input files are read and compared with the last read; a change (or a
+forced reload, SIGHUP) parses and validates them. A valid input becomes the desired state and is
+published; an invalid one is logged problem by problem and counted, and the previous desired state
+stays published. A publish pass also runs after a NATS reconnect and every ``resync_interval``
+(someone may have wiped or edited the bucket); a failed pass is retried with a bounded backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+import nats.errors
+
+from services.registry.files import FileSnapshot, load, read_files
+from services.registry.loader import InvalidRegistry, Registry
+from services.registry.metrics import RegistryMetrics
+from services.registry.publisher import Publisher
+from shared.logs import RateLimitedLog
+
+log = logging.getLogger("lig.registry")
+
+RETRY_MIN = 0.5
+RETRY_MAX = 5.0
+# A changed input is read again this much later and used only if unchanged, so that a file caught
+# half-written (truncated, then written) is not published as "no objects".
+SETTLE = 0.1
+
+
+class Reconciler:
+    """Watches the inputs and republishes them; owns the last good desired state."""
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        metrics: RegistryMetrics,
+        *,
+        watch_interval: float = 0.5,
+        resync_interval: float = 30.0,
+    ) -> None:
+        self.paths = tuple(paths)
+        self.desired: Registry | None = None
+        self._metrics = metrics
+        self._watch_interval = watch_interval
+        self._resync_interval = resync_interval
+        self._snapshot: FileSnapshot | None = None
+        self._wake = asyncio.Event()
+        self._force_reload = False
+        self._publish_pending = False
+        self._retry_delay = 0.0
+        self._retry_at = 0.0
+        self._next_resync = float("inf")
+        self._publish_errors = RateLimitedLog(log)
+
+    def request_reload(self) -> None:
+        """Re-read and republish the inputs now, even if unchanged (SIGHUP)."""
+        self._force_reload = True
+        self._wake.set()
+
+    def request_resync(self) -> None:
+        """Check the bucket against the desired state now (after a NATS reconnect)."""
+        self._publish_pending = True
+        self._retry_at = 0.0
+        self._wake.set()
+
+    async def check_inputs(self) -> None:
+        """Reload the inputs if they changed (or a reload was requested)."""
+        forced, self._force_reload = self._force_reload, False
+        if not forced and self._snapshot is not None and self._watch_interval <= 0:
+            return  # watching disabled: reload only on request
+        snapshot = await asyncio.to_thread(read_files, self.paths)
+        if not forced and snapshot == self._snapshot:
+            return
+        await asyncio.sleep(SETTLE)
+        settled = await asyncio.to_thread(read_files, self.paths)
+        if settled != snapshot and not forced:
+            return  # still being written: look again on the next check
+        snapshot = self._snapshot = settled
+        try:
+            desired = load(snapshot)
+        except InvalidRegistry as exc:
+            for problem in exc.problems:
+                log.error("invalid input: %s", problem)
+            kept = "the previous state stays published" if self.desired else "nothing published"
+            log.error("rejected the inputs (%d problems); %s", len(exc.problems), kept)
+            self._metrics.reload_invalid()
+            return
+        self._metrics.reload_ok(desired)
+        if forced or desired != self.desired:
+            log.info("loaded %d pools, %d models, %d endpoint sets from %d files",
+                     len(desired.pools), len(desired.models), len(desired.endpoint_sets),
+                     len(snapshot.files))
+            self.desired = desired
+            self.request_resync()
+
+    async def run(self, publisher: Publisher) -> None:
+        """Watch, reload and publish until cancelled."""
+        self._publish_pending = True
+        while True:
+            now = time.monotonic()
+            if now >= self._next_resync:
+                self._publish_pending = True
+                self._next_resync = now + self._resync_interval
+            await self.check_inputs()
+            if self._publish_pending and self.desired is not None and now >= self._retry_at:
+                await self._publish(publisher, self.desired)
+            await self._sleep()
+
+    async def _publish(self, publisher: Publisher, desired: Registry) -> None:
+        try:
+            done = await publisher.publish(desired)
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            self._metrics.publish_failed()
+            self._retry_delay = min(max(RETRY_MIN, self._retry_delay * 2), RETRY_MAX)
+            self._retry_at = time.monotonic() + self._retry_delay
+            self._publish_errors.warning("publishing failed, retrying in %.1f s: %s",
+                                         self._retry_delay, str(exc) or type(exc).__name__)
+            return
+        self._metrics.published(done)
+        self._publish_pending = False
+        self._retry_delay = 0.0
+        self._next_resync = time.monotonic() + (self._resync_interval or float("inf"))
+        if done.puts or done.deletes:
+            log.info("published: %d put, %d deleted, %d unchanged (%s)", len(done.puts),
+                     len(done.deletes), done.unchanged,
+                     ", ".join([key for key, _ in done.puts] + [f"-{key}" for key in done.deletes]))
+        else:
+            log.debug("bucket already up to date (%d keys)", done.unchanged)
+
+    async def _sleep(self) -> None:
+        now = time.monotonic()
+        deadlines = [self._next_resync]
+        if self._watch_interval > 0:
+            deadlines.append(now + self._watch_interval)
+        if self._publish_pending and self.desired is not None:
+            deadlines.append(self._retry_at)
+        timeout = max(0.0, min(deadlines) - now)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), None if timeout == float("inf") else timeout)
+        self._wake.clear()

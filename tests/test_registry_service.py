@@ -1,0 +1,314 @@
+"""The registry service against a real nats-server: watching, reloads, bad edits, NATS restarts,
+and ``lig registry`` as a real process (SIGHUP, SIGTERM, --check, metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError
+
+from services.registry.metrics import RegistryMetrics
+from services.registry.publisher import Publisher, read_bucket
+from services.registry.reconciler import Reconciler
+from shared.nats_connection import NatsSettings, connect
+from shared.schemas import InferenceModel, decode
+from shared.subjects import Subjects
+from tests.support.nats_server import NatsServer
+from tests.support.ports import free_port
+from tests.support.registry_yaml import dump, model, pool
+
+BUCKET = Subjects().registry_bucket
+LIG = str(Path(sys.executable).with_name("lig"))
+DEADLINE = 10.0  # generous: the machine is shared; the 1 s promise is asserted separately
+
+
+async def bucket(nc: Client) -> dict[str, bytes]:
+    """Live keys and values of the registry bucket ({} when it does not exist)."""
+    try:
+        entries = await read_bucket(nc.jetstream(), BUCKET)
+    except BucketNotFoundError:
+        return {}
+    return {key: entry.value or b"" for key, entry in entries.items()}
+
+
+async def poll_until(check: Callable[[], Awaitable[bool]], within: float = DEADLINE) -> float:
+    """Await the async ``check`` until it is true; return the seconds it took (fail after
+    ``within``). Unlike tests.support.waiting.eventually, the check may query NATS."""
+    start = time.monotonic()
+    while not await check():
+        assert time.monotonic() - start < within, "condition not reached in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def write(path: Path, text: str) -> None:
+    """Rewrite an input in place (truncate, then write), as most editors and tools do."""
+    await asyncio.to_thread(path.write_text, text)
+
+
+def criticality(contents: dict[str, bytes], key: str = "model.pool-a.model-a") -> str | None:
+    return decode(contents[key], InferenceModel).criticality if key in contents else None
+
+
+class Running:
+    """A Reconciler publishing ``inputs`` over its own connection, run as a task."""
+
+    def __init__(self, inputs: Path, nats_url: str, **options: float) -> None:
+        self.inputs = inputs
+        self.url = nats_url
+        self.metrics = RegistryMetrics()
+        self.reconciler = Reconciler([str(inputs)], self.metrics, **options)
+        self._task: asyncio.Task[None] | None = None
+        self._nc: Client | None = None
+
+    async def start(self) -> None:
+        async def on_reconnect() -> None:
+            self.reconciler.request_resync()
+
+        self._nc = await connect(NatsSettings(url=self.url), "test-registry",
+                                 on_reconnect=on_reconnect)
+        publisher = Publisher(self._nc.jetstream(), BUCKET)
+        self._task = asyncio.create_task(self.reconciler.run(publisher))
+
+    async def stop(self) -> None:
+        assert self._task is not None and self._nc is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._nc.close()
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+
+@pytest.fixture
+async def nc(nats_server) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> Path:
+    path = tmp_path / "registry.yaml"
+    path.write_text(dump(pool(), model(), model("model-b")))
+    return path
+
+
+@pytest.fixture
+async def running(inputs: Path, nats_server) -> AsyncIterator[Running]:
+    service = Running(inputs, nats_server.url, watch_interval=0.5, resync_interval=0)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+async def test_edit_is_published_within_a_second_and_removal_becomes_delete(
+    running: Running, nc: Client, inputs: Path
+) -> None:
+    await poll_until(lambda: _has_keys(nc, 4))
+
+    await write(inputs, dump(pool(), model(criticality="Critical"), model("model-b")))
+    took = await poll_until(async_check(nc, lambda c: criticality(c) == "Critical"))
+    assert took < 1.0, f"edit took {took:.2f} s to reach the bucket"
+
+    await write(inputs, dump(pool(), model(criticality="Critical")))
+    await poll_until(async_check(nc, lambda c: "model.pool-a.model-b" not in c))
+    history = await (await nc.jetstream().key_value(BUCKET)).history("model.pool-a.model-b")
+    assert history[-1].operation == "DEL", [(e.revision, e.operation, e.value) for e in history]
+    assert running.sample("lig_registry_reloads_total", outcome="ok") == 3
+    assert running.sample("lig_registry_objects", kind="model") == 1
+
+
+async def test_invalid_edit_is_logged_counted_and_previous_state_stays(
+    running: Running, nc: Client, inputs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await poll_until(lambda: _has_keys(nc, 4))
+    good = await bucket(nc)
+    caplog.set_level(logging.ERROR, logger="lig.registry")
+
+    bad = dump(pool(), model(targetModels=[{"name": "x", "weight": 0}]), model("model-b"))
+    await write(inputs, bad)
+
+    async def rejected() -> bool:
+        return running.sample("lig_registry_reloads_total", outcome="invalid") == 1
+
+    await poll_until(rejected)
+    assert f"{inputs}:" in caplog.text
+    assert "document 2: spec.targetModels[0].weight" in caplog.text
+    assert running.sample("lig_registry_input_valid") == 0
+    assert await bucket(nc) == good
+    assert running.sample("lig_registry_kv_writes_total", op="put") == 4
+
+    await write(inputs, dump(pool(), model(criticality="Sheddable")))  # fixed: published again
+    await poll_until(async_check(nc, lambda c: criticality(c) == "Sheddable"
+                                 and "model.pool-a.model-b" not in c))
+    assert running.sample("lig_registry_input_valid") == 1
+
+
+async def test_invalid_input_at_start_leaves_the_bucket_untouched(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    earlier = tmp_path / "earlier.yaml"
+    await write(earlier, dump(pool(), model()))
+    first = Running(earlier, nats_server.url)
+    await first.start()
+    await poll_until(lambda: _has_keys(nc, 3))
+    await first.stop()
+    published = await bucket(nc)
+
+    broken = tmp_path / "broken.yaml"
+    await write(broken, dump(pool(), model(pool_name="missing")))
+    second = Running(broken, nats_server.url, resync_interval=0.2)
+    await second.start()
+    try:
+        await poll_until(lambda: _sample_is(second, "lig_registry_reloads_total", 1,
+                                            outcome="invalid"))
+        assert "nothing published" in caplog.text
+        assert "no InferencePool named 'missing'" in caplog.text
+        assert await bucket(nc) == published
+        assert second.sample("lig_registry_publishes_total", outcome="ok") == 0
+    finally:
+        await second.stop()
+
+
+async def test_wiped_key_is_restored_by_the_periodic_resync(
+    nats_server, nc: Client, inputs: Path
+) -> None:
+    service = Running(inputs, nats_server.url, resync_interval=0.3)
+    await service.start()
+    try:
+        await poll_until(lambda: _has_keys(nc, 4))
+        kv = await nc.jetstream().key_value(BUCKET)
+        await kv.delete("pool.pool-a")
+        await kv.put("model.pool-a.stray", b"left by someone")
+        await poll_until(async_check(nc, lambda c: "pool.pool-a" in c
+                                     and "model.pool-a.stray" not in c))
+    finally:
+        await service.stop()
+
+
+async def test_nats_restarted_with_an_empty_store_gets_the_state_again(
+    nats_server, running: Running, inputs: Path
+) -> None:
+    if not isinstance(nats_server, NatsServer):
+        pytest.skip("needs the restartable local nats-server")
+    client = await nats.connect(nats_server.url)
+    await poll_until(lambda: _has_keys(client, 4))
+    await client.close()
+
+    nats_server.stop()
+    shutil.rmtree(nats_server.store_dir)  # the bucket is gone when NATS comes back
+    nats_server.start()
+
+    client = await nats.connect(nats_server.url)
+    try:
+        await poll_until(lambda: _has_keys(client, 4))  # resync_interval=0: the reconnect did it
+        # Republished from memory (one load only), in a second successful pass.
+        assert running.sample("lig_registry_reloads_total", outcome="ok") == 1
+        assert running.sample("lig_registry_publishes_total", outcome="ok") == 2
+    finally:
+        await client.close()
+
+
+def async_check(nc: Client, predicate: Callable[[dict[str, bytes]], bool]
+                ) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return predicate(await bucket(nc))
+
+    return check
+
+
+async def _has_keys(nc: Client, count: int) -> bool:
+    return len(await bucket(nc)) == count
+
+
+async def _sample_is(service: Running, name: str, value: float, **labels: str) -> bool:
+    return service.sample(name, **labels) == value
+
+
+# --- lig registry as a real process -------------------------------------------------------------
+
+
+def start_lig(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    log = tmp_path / f"registry-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([LIG, "registry", *args], stdout=out, stderr=subprocess.STDOUT)
+    return process, log
+
+
+def stop_within(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=DEADLINE)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    took = time.monotonic() - start
+    assert took < seconds, f"took {took:.2f} s to stop"
+    return code, took
+
+
+async def test_process_reloads_on_sighup_serves_metrics_and_stops_on_sigterm(
+    nats_server, nc: Client, inputs: Path, tmp_path: Path
+) -> None:
+    metrics_port = free_port()
+    process, log = start_lig(
+        tmp_path, str(inputs), "--nats-url", nats_server.url, "--host", "127.0.0.1",
+        "--metrics-port", str(metrics_port), "--watch-interval", "0",  # reload only on SIGHUP
+    )
+    try:
+        await poll_until(lambda: _has_keys(nc, 4))
+        assert "ready: watching" in await asyncio.to_thread(log.read_text)
+
+        await write(inputs, dump(pool(), model(criticality="Sheddable")))
+        process.send_signal(signal.SIGHUP)
+        await poll_until(async_check(nc, lambda c: criticality(c) == "Sheddable"
+                                     and "model.pool-a.model-b" not in c))
+
+        async with httpx.AsyncClient() as http:
+            page = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        assert 'lig_registry_reloads_total{outcome="ok"} 2.0' in page
+        assert 'lig_registry_kv_writes_total{op="delete"} 1.0' in page
+        assert "lig_registry_last_successful_reload_timestamp_seconds" in page
+    finally:
+        code, _ = stop_within(process, 2.0)
+    assert code == 0
+    assert "registry stopped" in await asyncio.to_thread(log.read_text)
+
+
+def test_process_stops_on_sigterm_while_nats_is_unreachable(inputs: Path, tmp_path: Path) -> None:
+    process, log = start_lig(tmp_path, str(inputs), "--nats-url", f"nats://127.0.0.1:{free_port()}",
+                             "--metrics-port", "0")
+    deadline = time.monotonic() + DEADLINE
+    while "loaded 1 pools" not in log.read_text():
+        assert time.monotonic() < deadline and process.poll() is None, log.read_text()
+        time.sleep(0.05)
+    code, _ = stop_within(process, 2.0)
+    assert code == 0
+
+
+def test_check_command_exit_codes(inputs: Path, tmp_path: Path) -> None:
+    ok = subprocess.run([LIG, "registry", "--check", str(inputs)], capture_output=True,
+                        text=True, timeout=DEADLINE)
+    assert ok.returncode == 0 and "valid: 1 pool(s), 2 model(s)" in ok.stdout
+    inputs.write_text(dump(pool(), model(pool_name="nope")))
+    bad = subprocess.run([LIG, "registry", "--check", str(inputs)], capture_output=True,
+                         text=True, timeout=DEADLINE)
+    assert bad.returncode == 2
+    assert f"{inputs}:" in bad.stderr and "spec.poolRef.name" in bad.stderr

@@ -1,0 +1,336 @@
+"""Registry input validation and conversion: pure, no NATS.
+
+Every invalid input must be rejected with a problem naming the file, the document and the field.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.registry.check import check
+from services.registry.files import FileSnapshot, SourceFile, load, read_files
+from services.registry.loader import InvalidRegistry, Problem
+from shared.schemas import Criticality, Endpoint, TargetModel
+from tests.support.registry_yaml import dump, model, pool
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local" / "pool.yaml"
+
+
+def problems_of(*files: tuple[str, str]) -> list[Problem]:
+    """Load ``(path, text)`` files, which must be invalid; return the problems."""
+    snapshot = FileSnapshot(tuple(SourceFile(path, text) for path, text in files))
+    with pytest.raises(InvalidRegistry) as caught:
+        load(snapshot)
+    return list(caught.value.problems)
+
+
+def with_spec(document: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of ``document`` with ``spec.<path>`` (dots, and [i] for list items) set to value;
+    ``value=DELETE`` removes the field."""
+    result = copy.deepcopy(document)
+    target: Any = result["spec"]
+    parts = path.replace("[", ".").replace("]", "").split(".")
+    for part in parts[:-1]:
+        target = target[int(part)] if part.isdigit() else target[part]
+    last: Any = int(parts[-1]) if parts[-1].isdigit() else parts[-1]
+    if value is DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return result
+
+
+DELETE = object()
+POOL = pool()
+MODEL = model()
+
+# (case id, documents of one file, expected document number, field, words in the message)
+SINGLE_FILE_CASES: list[tuple[str, list[dict[str, Any]], int, str | None, str]] = [
+    ("missing kind", [{k: v for k, v in POOL.items() if k != "kind"}], 1, "kind", "missing"),
+    ("unknown kind", [POOL, {**MODEL, "kind": "Deployment"}], 2, "kind", "unknown kind"),
+    ("missing apiVersion", [{k: v for k, v in POOL.items() if k != "apiVersion"}], 1,
+     "apiVersion", "missing"),
+    ("unsupported apiVersion", [{**POOL, "apiVersion": "v1"}], 1, "apiVersion", "unsupported"),
+    ("missing metadata", [{k: v for k, v in POOL.items() if k != "metadata"}], 1, "metadata",
+     "missing"),
+    ("missing metadata.name", [{**POOL, "metadata": {"namespace": "x"}}], 1, "metadata.name",
+     "missing"),
+    ("name not a Kubernetes name", [{**POOL, "metadata": {"name": "Pool_A"}}], 1,
+     "metadata.name", "match"),
+    ("unknown top-level field", [{**POOL, "sepc": {}}], 1, "sepc", "unknown field"),
+    ("missing spec", [{k: v for k, v in POOL.items() if k != "spec"}], 1, "spec", "missing"),
+    ("pool missing selector", [with_spec(POOL, "selector", DELETE)], 1, "spec.selector",
+     "missing"),
+    ("selector value not a string", [with_spec(POOL, "selector", {"version": 2})], 1,
+     "spec.selector", "str"),
+    ("pool missing targetPortNumber", [with_spec(POOL, "targetPortNumber", DELETE)], 1,
+     "spec.targetPortNumber", "missing"),
+    ("targetPortNumber zero", [with_spec(POOL, "targetPortNumber", 0)], 1,
+     "spec.targetPortNumber", ">= 1"),
+    ("targetPortNumber too big", [with_spec(POOL, "targetPortNumber", 70000)], 1,
+     "spec.targetPortNumber", "<= 65535"),
+    ("targetPortNumber a string", [with_spec(POOL, "targetPortNumber", "8000")], 1,
+     "spec.targetPortNumber", "got `str`"),
+    ("misspelt spec field", [with_spec(POOL, "targetPort", 8000)], 1, "spec.targetPort",
+     "unknown field"),
+    ("endpoint without name", [with_spec(POOL, "endpoints[1].name", DELETE)], 1,
+     "spec.endpoints[1].name", "missing"),
+    ("endpoint host name", [with_spec(POOL, "endpoints[0].address", "vllm.local")], 1,
+     "spec.endpoints[0].address", "not an IP address"),
+    ("endpoint port out of range", [with_spec(POOL, "endpoints[0].port", 0)], 1,
+     "spec.endpoints[0].port", ">= 1"),
+    ("endpoint unknown field", [with_spec(POOL, "endpoints[0].ip", "10.0.0.9")], 1,
+     "spec.endpoints[0].ip", "unknown field"),
+    ("duplicate endpoint name", [with_spec(POOL, "endpoints[1].name", "pod-0")], 1,
+     "spec.endpoints[1].name", "duplicate endpoint name"),
+    ("duplicate endpoint address", [with_spec(
+        with_spec(POOL, "endpoints[1].address", "10.0.0.1"), "endpoints[1].port", 8000)], 1,
+     "spec.endpoints[1].address", "duplicate endpoint address 10.0.0.1:8000"),
+    ("endpoints not a list", [with_spec(POOL, "endpoints", {"name": "x"})], 1, "spec.endpoints",
+     "array"),
+    ("metrics path without slash", [with_spec(POOL, "metrics", {"path": "metrics"})], 1,
+     "spec.metrics.path", "match"),
+    ("rejectUnknownModels not a bool", [with_spec(POOL, "rejectUnknownModels", "maybe")], 1,
+     "spec.rejectUnknownModels", "bool"),
+    ("unknown policy", [with_spec(POOL, "scheduling", {"policy": "fastest"})], 1,
+     "spec.scheduling", "unknown policy 'fastest'"),
+    ("unknown policy parameter", [with_spec(POOL, "scheduling", {"params": {"speed": 1}})], 1,
+     "spec.scheduling", "unknown parameter 'speed'"),
+    ("mistyped policy parameter",
+     [with_spec(POOL, "scheduling", {"params": {"queueing_threshold_lora": "many"}})], 1,
+     "spec.scheduling", "queueing_threshold_lora"),
+    ("model missing modelName", [POOL, with_spec(MODEL, "modelName", DELETE)], 2,
+     "spec.modelName", "missing"),
+    ("model empty modelName", [POOL, with_spec(MODEL, "modelName", "")], 2, "spec.modelName",
+     "length >= 1"),
+    ("model missing poolRef", [POOL, with_spec(MODEL, "poolRef", DELETE)], 2, "spec.poolRef",
+     "missing"),
+    ("poolRef of another kind", [POOL, with_spec(MODEL, "poolRef.kind", "Service")], 2,
+     "spec.poolRef.kind", "Invalid enum value 'Service'"),
+    ("unknown criticality", [POOL, with_spec(MODEL, "criticality", "Urgent")], 2,
+     "spec.criticality", "Invalid enum value 'Urgent'"),
+    ("weight zero", [POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": 0}])], 2,
+     "spec.targetModels[0].weight", ">= 1"),
+    ("weight above a million",
+     [POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": 1_000_001}])], 2,
+     "spec.targetModels[0].weight", "<= 1000000"),
+    ("weight negative",
+     [POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": 3}, {"name": "b",
+                                                                          "weight": -1}])], 2,
+     "spec.targetModels[1].weight", ">= 1"),
+    ("weight a fraction", [POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": 0.5}])],
+     2, "spec.targetModels[0].weight", "got `float`"),
+    ("weight a string", [POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": "10"}])],
+     2, "spec.targetModels[0].weight", "got `str`"),
+    ("weight a bool", [POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": True}])],
+     2, "spec.targetModels[0].weight", "got `bool`"),
+    ("target model without name", [POOL, with_spec(MODEL, "targetModels", [{"weight": 1}])], 2,
+     "spec.targetModels[0].name", "missing"),
+    ("more than 10 target models",
+     [POOL, with_spec(MODEL, "targetModels", [{"name": f"t{i}"} for i in range(11)])], 2,
+     "spec.targetModels", "length <= 10"),
+    ("duplicate target model",
+     [POOL, with_spec(MODEL, "targetModels", [{"name": "a"}, {"name": "a", "weight": 2}])], 2,
+     "spec.targetModels[1].name", "duplicate target model 'a'"),
+    ("model pointing at a missing pool", [POOL, model(pool_name="pool-b")], 2,
+     "spec.poolRef.name", "no InferencePool named 'pool-b'"),
+    ("model in another namespace than its pool",
+     [POOL, {**MODEL, "metadata": {"name": "model-a", "namespace": "other"}}], 2,
+     "spec.poolRef.name", "namespace"),
+    ("duplicate modelName in one pool",
+     [POOL, MODEL, {**model("model-b"), "spec": MODEL["spec"]}], 3, "spec.modelName",
+     "'model-a' is already served by pool 'pool-a'"),
+    ("duplicate InferenceModel name", [POOL, MODEL, with_spec(MODEL, "modelName", "other")], 3,
+     "metadata.name", "duplicate InferenceModel name"),
+    ("duplicate pool name", [POOL, pool(endpoints=1)], 2, "metadata.name",
+     "duplicate InferencePool name"),
+    ("duplicate pool name across namespaces",
+     [POOL, {**POOL, "metadata": {"name": "pool-a", "namespace": "other"}}], 2, "metadata.name",
+     "duplicate InferencePool name"),
+    ("key that is not a string", [{**POOL, 1: "x"}], 1, None, "as a mapping key"),
+    ("selector key that is not a string", [with_spec(POOL, "selector", {1: "x"})], 1,
+     "spec.selector", "as a mapping key"),
+    ("document is a list", [POOL, [1, 2]], 2, None, "expected a mapping"),  # type: ignore[list-item]
+    ("document is a string", [POOL, "InferencePool"], 2, None, "got str"),  # type: ignore[list-item]
+]
+
+
+@pytest.mark.parametrize(
+    ("documents", "document", "field", "words"),
+    [case[1:] for case in SINGLE_FILE_CASES],
+    ids=[case[0] for case in SINGLE_FILE_CASES],
+)
+def test_invalid_document_is_rejected_naming_file_document_and_field(
+    documents: list[dict[str, Any]], document: int, field: str | None, words: str
+) -> None:
+    problems = problems_of(("inputs/pool.yaml", dump(*documents)))
+    assert len(problems) == 1, problems
+    problem = problems[0]
+    assert (problem.source, problem.document, problem.field) == ("inputs/pool.yaml", document,
+                                                                 field)
+    assert words in problem.message
+    assert problem.line is not None
+    assert str(problem).startswith(f"inputs/pool.yaml:{problem.line}: document {document}: ")
+
+
+# (case id, raw YAML text, expected document number, text of the reported line, field, words)
+RAW_TEXT_CASES = [
+    ("YAML syntax error", dump(POOL) + "---\nkind: [InferenceModel\nspec: {}\n", 2, "spec: {}",
+     None, "invalid YAML: expected ',' or ']'"),
+    ("tab indentation", "kind: x\n\tspec: 1\n", 1, "\tspec: 1", None, "invalid YAML"),
+    ("duplicate key", dump(POOL).replace("targetPortNumber: 8000",
+                                         "targetPortNumber: 8000\n  targetPortNumber: 9000"),
+     1, "  targetPortNumber: 9000", "spec.targetPortNumber", "duplicate key"),
+    ("self-containing alias", "apiVersion: x\nkind: &k\n  a: *k\n", 1, "  a: *k", "kind.a",
+     "alias may not refer to a node that contains it"),
+    ("unsafe tag", "kind: !!python/object:os.system x\n", 1, "kind: !!python/object:os.system x",
+     None, "invalid YAML"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "document", "line_text", "field", "words"),
+    [case[1:] for case in RAW_TEXT_CASES],
+    ids=[case[0] for case in RAW_TEXT_CASES],
+)
+def test_invalid_yaml_is_rejected_with_its_line(
+    text: str, document: int, line_text: str, field: str | None, words: str
+) -> None:
+    problems = problems_of(("a.yaml", text))
+    line = text.splitlines().index(line_text) + 1
+    assert [(p.document, p.line, p.field) for p in problems] == [(document, line, field)]
+    assert words in problems[0].message
+
+
+def test_problem_points_at_the_line_of_the_bad_field() -> None:
+    text = dump(POOL, with_spec(MODEL, "targetModels", [{"name": "a"}, {"name": "b",
+                                                                         "weight": 0}]))
+    [problem] = problems_of(("m.yaml", text))
+    bad_line = text.splitlines()[problem.line - 1]  # type: ignore[operator]
+    assert bad_line.strip() == "weight: 0"
+
+
+def test_every_problem_of_every_file_is_reported() -> None:
+    problems = problems_of(
+        ("a.yaml", dump(with_spec(POOL, "targetPortNumber", 0))),
+        ("b.yaml", dump(with_spec(MODEL, "criticality", "Urgent"))),
+        ("c.yaml", "kind: [\n"),
+    )
+    assert [(p.source, p.field) for p in problems] == [
+        ("a.yaml", "spec.targetPortNumber"),
+        ("b.yaml", "spec.criticality"),
+        ("c.yaml", None),
+    ]
+
+
+def test_pool_and_models_may_live_in_different_files_and_duplicates_name_the_first() -> None:
+    registry = load(FileSnapshot((SourceFile("p.yaml", dump(POOL)),
+                                  SourceFile("m.yaml", dump(MODEL)))))
+    assert [m.pool for m in registry.models] == ["pool-a"]
+    [problem] = problems_of(("p.yaml", dump(POOL)), ("q.yaml", dump(pool(endpoints=1))))
+    assert problem.source == "q.yaml"
+    assert "first defined at p.yaml:1" in problem.message
+
+
+def test_missing_named_path_is_a_problem_but_an_empty_folder_is_an_empty_registry(
+    tmp_path: Path,
+) -> None:
+    snapshot = read_files([str(tmp_path / "nope.yaml")])
+    assert [p.message for p in snapshot.problems] == ["no such file or folder"]
+    with pytest.raises(InvalidRegistry):
+        load(snapshot)
+    empty = load(read_files([str(tmp_path)]))
+    assert (empty.pools, empty.models, empty.endpoint_sets) == ((), (), ())
+
+
+def test_folder_reads_yaml_files_in_name_order_and_skips_others(tmp_path: Path) -> None:
+    (tmp_path / "b-models.yml").write_text(dump(MODEL))
+    (tmp_path / "a-pool.yaml").write_text(dump(POOL))
+    (tmp_path / "notes.txt").write_text("kind: nonsense")
+    (tmp_path / ".hidden.yaml").write_text("kind: nonsense")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.yaml").write_text("kind: nonsense")
+    snapshot = read_files([str(tmp_path)])
+    assert [Path(f.path).name for f in snapshot.files] == ["a-pool.yaml", "b-models.yml"]
+    assert len(load(snapshot).models) == 1
+
+
+def test_file_that_is_not_utf8_is_a_problem(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("kind: caf\xe9\n".encode("latin-1"))
+    snapshot = read_files([str(path)])
+    assert [(p.source, "UTF-8" in p.message) for p in snapshot.problems] == [(str(path), True)]
+
+
+def test_valid_input_converts_to_wire_messages() -> None:
+    documents = [
+        pool(metrics={"path": "/stats", "port": 9100}, rejectUnknownModels=True,
+             scheduling={"policy": "filter-tree", "params": {"queueing_threshold_lora": 10}}),
+        with_spec(pool("pool-b", endpoints=0), "endpoints", DELETE),
+        model("base", criticality="Critical"),
+        model("legacy", criticality="Default"),
+        model("split", targetModels=[{"name": "v1", "weight": 3}, {"name": "v2"}]),
+    ]
+    documents[0]["spec"]["endpoints"][1].update(port=9000, labels={"zone": "b"})
+    registry = load(FileSnapshot((SourceFile("x.yaml", dump(*documents)),)))
+    first = registry.pools[0]
+    assert (first.name, first.target_port, first.selector) == ("pool-a", 8000, {"app": "pool-a"})
+    assert (first.metrics_path, first.metrics_port, first.reject_unknown_models) == (
+        "/stats", 9100, True)
+    assert (first.policy.name, first.policy.params) == ("filter-tree",
+                                                        {"queueing_threshold_lora": 10})
+    assert registry.pools[1].policy.name == "filter-tree"  # the default
+    # Only pools that list endpoints publish an endpoint set; the port defaults to the pool's.
+    [endpoints] = registry.endpoint_sets
+    assert endpoints.pool == "pool-a"
+    assert endpoints.endpoints == (Endpoint("pod-0", "10.0.0.1", 8000),
+                                   Endpoint("pod-1", "10.0.0.2", 9000, {"zone": "b"}))
+    by_name = {m.model_name: m for m in registry.models}
+    assert by_name["base"].criticality is Criticality.CRITICAL
+    assert by_name["base"].target_models == (TargetModel("base", 1),)  # upstream default
+    assert by_name["legacy"].criticality is Criticality.STANDARD  # v1alpha1's "Default"
+    assert by_name["split"].criticality is Criticality.STANDARD
+    assert by_name["split"].target_models == (TargetModel("v1", 3), TargetModel("v2", 1))
+
+
+def test_kubectl_output_with_status_and_server_metadata_is_accepted() -> None:
+    document = copy.deepcopy(POOL)
+    document["metadata"].update(uid="1234", resourceVersion="7", namespace="default",
+                                creationTimestamp="2025-01-01T00:00:00Z")
+    document["status"] = {"parent": []}
+    document["spec"]["extensionRef"] = {"name": "picker", "portNumber": 9002}
+    registry = load(FileSnapshot((SourceFile("k.yaml", dump(document)),)))
+    assert registry.pools[0].name == "pool-a"
+
+
+def test_example_configuration_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    registry = load(read_files([str(EXAMPLE)]))
+    criticalities = {m.model_name: m.criticality for m in registry.models}
+    assert criticalities == {
+        "meta-llama/Llama-3.1-8B-Instruct": Criticality.CRITICAL,
+        "sql-lora": Criticality.SHEDDABLE,
+        "tweet-summary": Criticality.STANDARD,
+    }
+    split = next(m for m in registry.models if m.model_name == "tweet-summary")
+    assert [t.name for t in split.target_models] == ["tweet-summary-1", "tweet-summary-2"]
+    assert len(registry.endpoint_sets[0].endpoints) == 4
+
+
+def test_check_prints_summary_or_problems_and_exit_code(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    assert check([str(EXAMPLE)], sys.stdout, sys.stderr) == 0
+    out = capsys.readouterr().out
+    assert "valid: 1 pool(s), 3 model(s) from 1 file(s)" in out
+    assert "tweet-summary-1 90%, tweet-summary-2 10%" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(dump(POOL, with_spec(MODEL, "targetModels", [{"name": "a", "weight": 0}])))
+    assert check([str(bad)], sys.stdout, sys.stderr) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:" in err and "document 2: spec.targetModels[0].weight" in err
+    assert "invalid: 1 problem(s)" in err
