@@ -1,0 +1,151 @@
+"""``lig sim``: simulated vLLM model servers, one engine per pod, all pods in one process.
+
+Pod ``i`` listens on ``--base-port + i``. Each pod has its own engine, metrics page and faults;
+``--seed`` makes runs reproducible (pod ``i`` draws from streams derived from the seed and ``i``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import msgspec
+
+from shared.logs import add_logging_arguments, setup_logging
+from shared.service import run_service
+from simulator.engine import EngineConfig
+from simulator.http_app import Faults, PodSettings, SimulatedPod
+from simulator.metrics_page import FORMATS
+from simulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+
+log = logging.getLogger("lig.sim")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``lig sim`` flags."""
+    parser.add_argument("--pods", type=int, default=1, help="simulated pods in this process")
+    parser.add_argument("--host", default="127.0.0.1", help="address every pod listens on")
+    parser.add_argument("--base-port", type=int, default=8000, help="port of pod 0; pod i: +i")
+    parser.add_argument("--model", default=EngineConfig().model, help="served base model name")
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME",
+        help="a LoRA adapter the pods serve (repeatable)",
+    )
+    parser.add_argument("--max-loras", type=int, default=4, help="adapters per batch")
+    parser.add_argument(
+        "--max-cpu-loras", type=int, default=None,
+        help="adapters kept in CPU memory (default: --max-loras)"
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="simulated seconds per wall second (10 = ten times faster than real time)",
+    )
+    parser.add_argument("--metrics-format", choices=FORMATS, default="v1",
+                        help="vLLM /metrics layout: v1 (engine label, kv_cache_usage_perc) or v0")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE,
+        help=f"step-time profile: {', '.join(PROFILES)}, or a YAML/JSON file",
+    )
+    parser.add_argument("--num-gpu-blocks", type=int, help="override the profile's KV blocks")
+    parser.add_argument("--max-model-len", type=int, help="override the profile's context limit")
+    parser.add_argument("--jitter", type=float, help="relative std dev of step times")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="running requests cap")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="token budget of one step"
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    parser.add_argument(
+        "--output-len-median", type=float, default=128.0,
+        help="median output tokens when a request sets no max_tokens",
+    )
+    parser.add_argument("--failure-rate", type=float, default=0.0, help="fault: 500s fraction")
+    parser.add_argument(
+        "--metrics-delay", type=float, default=0.0, help="fault: wall seconds /metrics waits"
+    )
+    parser.add_argument("--hang", action="store_true", help="fault: hold all requests")
+    add_logging_arguments(parser)
+
+
+def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
+    """Each pod's settings; raises ValueError on an invalid combination."""
+    if args.pods < 1:
+        raise ValueError("--pods must be >= 1")
+    if not (args.base_port > 0 and args.base_port + args.pods - 1 <= 65535):
+        raise ValueError("--base-port and --pods must give ports within 1..65535")
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be > 0")
+    if len(set(args.lora)) != len(args.lora) or args.model in args.lora:
+        raise ValueError("--lora names must be distinct and differ from --model")
+    profile = load_profile(args.profile)
+    overrides = {
+        field: value
+        for field, value in (
+            ("num_gpu_blocks", args.num_gpu_blocks),
+            ("max_model_len", args.max_model_len),
+            ("jitter", args.jitter),
+        )
+        if value is not None
+    }
+    profile = msgspec.structs.replace(profile, **overrides).validate()
+    engine = EngineConfig(
+        model=args.model,
+        profile=profile,
+        adapters=tuple(args.lora),
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    if engine.max_loras < 1 or engine.max_num_seqs < 1 or engine.max_num_batched_tokens < 1:
+        raise ValueError("--max-loras, --max-num-seqs, --max-num-batched-tokens must be >= 1")
+    faults = Faults(args.failure_rate, args.metrics_delay, args.hang).validate()
+    return [
+        PodSettings(
+            engine=engine,
+            index=index,
+            time_scale=args.time_scale,
+            metrics_format=args.metrics_format,
+            seed=args.seed,
+            output_len_median=args.output_len_median,
+            faults=faults,
+        )
+        for index in range(args.pods)
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the pods until SIGTERM/SIGINT."""
+    setup_logging("sim", args.log_level)
+    try:
+        pods_settings = settings_from_args(args)
+    except ValueError as error:
+        log.error("invalid settings: %s", error)
+        return 2
+
+    async def main(stop: asyncio.Event) -> int:
+        pods = [SimulatedPod(settings) for settings in pods_settings]
+        try:
+            for index, pod in enumerate(pods):
+                await pod.start(args.host, args.base_port + index)
+        except OSError as error:
+            log.error("cannot listen: %s", error)
+            await asyncio.gather(*(pod.stop() for pod in pods))
+            return 1
+        last = args.base_port + len(pods) - 1
+        ports = str(args.base_port) if len(pods) == 1 else f"{args.base_port}-{last}"
+        adapters = ", ".join(args.lora) or "none"
+        log.info(
+            "ready: %d simulated pod(s) of %s on %s:%s (adapters: %s; time scale %g; "
+            "metrics %s)",
+            len(pods), args.model, args.host, ports, adapters, args.time_scale,
+            args.metrics_format,
+        )
+        await stop.wait()
+        await asyncio.gather(*(pod.stop() for pod in pods))
+        log.info("stopped")
+        return 0
+
+    return run_service(main)
