@@ -108,6 +108,20 @@ class PodMetrics(msgspec.Struct, frozen=True):
     schema: int = SCHEMA_VERSION
 
 
+class CollectorHeartbeat(msgspec.Struct, frozen=True):
+    """A collector announcing itself on ``<prefix>.collectors.<id>`` so collectors share pods.
+
+    ``active`` is false while a new collector is still learning its peers (it owns no pods yet);
+    ``leaving`` says it is stopping, so peers take its pods over at once.
+    """
+
+    collector_id: str
+    interval_s: float
+    active: bool = True
+    leaving: bool = False
+    schema: int = SCHEMA_VERSION
+
+
 class DecodeError(ValueError):
     """A NATS payload could not be decoded into the expected message type."""
 
