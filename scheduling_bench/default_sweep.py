@@ -1,0 +1,183 @@
+"""The default sweep behind ``docs/benchmarks.md``, and the rewrite of that document's numbers.
+
+The document is prose written by hand around generated blocks::
+
+    <!-- bench:NAME -->
+    ...generated...
+    <!-- /bench:NAME -->
+
+``regenerate`` runs the sweep, writes one PNG per workload beside the document, and replaces
+every block's content; the prose stays as it is. A block the document lacks is an error, so
+the numbers can never be half updated.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from scheduling_bench import report
+from scheduling_bench.results import RunMetrics
+from scheduling_bench.runner import Point, engine_config, run_points
+from scheduling_bench.workloads import WORKLOADS
+from shared.schemas import PolicyConfig
+from simulator.profiles import DEFAULT_PROFILE, PROFILES
+
+POLICIES = ("round-robin", "random", "least-queue", "filter-tree")
+DURATION = 30.0
+SEED = 1
+
+# Per workload: rates from light load to overload of 8 pods of the default profile. The baselines
+# saturate far earlier on multi-LoRA traffic (see the document), hence its lower rates.
+RATES: dict[str, tuple[float, ...]] = {
+    "chat": (60, 180, 270, 360),
+    "trace": (60, 180, 270, 360),
+    "multi-lora": (30, 90, 180, 270),
+    "shared-prefix": (60, 180, 270, 360),
+    "mixed-criticality": (60, 180, 270, 360),
+}
+
+# Why the filter tree's TTFT depends on metric freshness: the chat workload at a medium rate
+# under several scrape intervals, and with picker replicas that each count only their own
+# requests in flight.
+FRESHNESS_RATE = 180.0
+FRESHNESS_POLICIES = ("round-robin", "least-queue", "filter-tree")
+FRESHNESS_VARIANTS = ((0.01, 1), (0.05, 1), (0.2, 1), (0.05, 4))  # (scrape interval, pickers)
+
+
+def points(trace: str) -> list[Point]:
+    """Every point of the default sweep; ``trace`` is the conversation trace CSV."""
+    profile = PROFILES[DEFAULT_PROFILE]
+    result = []
+    for name, rates in RATES.items():
+        workload = WORKLOADS[name]
+        if name == "trace":
+            workload = msgspec.structs.replace(workload, trace=trace)
+        for rate in rates:
+            for policy in POLICIES:
+                result.append(
+                    Point(
+                        workload=workload,
+                        policy=PolicyConfig(name=policy),
+                        rate=rate,
+                        duration=DURATION,
+                        seed=SEED,
+                        profile=profile,
+                    )
+                )
+    return result
+
+
+def freshness_points() -> list[Point]:
+    """The points of the freshness comparison."""
+    return [
+        Point(
+            workload=WORKLOADS["chat"],
+            policy=PolicyConfig(name=policy),
+            rate=FRESHNESS_RATE,
+            duration=DURATION,
+            seed=SEED,
+            pickers=pickers,
+            scrape_interval=interval,
+        )
+        for interval, pickers in FRESHNESS_VARIANTS
+        for policy in FRESHNESS_POLICIES
+    ]
+
+
+def freshness_table(results: Sequence[RunMetrics]) -> str:
+    """Latencies by scrape interval and picker replicas (seconds)."""
+    lines = [
+        "| scrape interval | pickers | policy | TTFT p50 | TTFT p90 | TTFT p99 | ITL p99 |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.scrape_interval * 1000:g} ms | {r.pickers} | {r.policy} "
+            f"| {report.format_seconds(r.ttft.p50)} | {report.format_seconds(r.ttft.p90)} "
+            f"| {report.format_seconds(r.ttft.p99)} | {report.format_seconds(r.itl.p99)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+_BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(.*?)(<!-- /bench:(?P=name) -->)", re.S)
+
+
+def replace_blocks(text: str, blocks: dict[str, str]) -> str:
+    """``text`` with the content of each named block replaced; ValueError if one is missing."""
+    present = {match.group("name") for match in _BLOCK.finditer(text)}
+    missing = sorted(set(blocks) - present)
+    if missing:
+        raise ValueError(
+            "the document lacks the generated blocks "
+            + ", ".join(f"<!-- bench:{name} -->...<!-- /bench:{name} -->" for name in missing)
+        )
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in blocks:
+            return match.group(0)
+        return match.group(1) + blocks[name] + match.group(4)
+
+    return _BLOCK.sub(substitute, text)
+
+
+def regenerate(doc: Path, trace: str, command: Sequence[str], jobs: int) -> list[RunMetrics]:
+    """Run the default sweep and rewrite ``doc``'s generated blocks and plots."""
+    text = doc.read_text()
+    sweep, freshness = points(trace), freshness_points()
+    everything = run_points([*sweep, *freshness], jobs=jobs)
+    results = everything[: len(sweep)]
+    image_dir = doc.parent / doc.stem
+    blocks = {
+        "setup": _setup_block(command),
+        "freshness": freshness_table(everything[len(sweep) :]),
+    }
+    for name in RATES:
+        runs = [r for r in results if r.workload == name]
+        image = image_dir / f"{name}.png"
+        report.plot(runs, f"{name}: 8 pods, {DEFAULT_PROFILE}", image)
+        table = report.markdown_table(runs)
+        if report.has_mixed_criticality(runs):
+            table += "\nBy criticality (shed / requests of that class; TTFT in s):\n\n"
+            table += report.criticality_table(runs)
+        relative = image.relative_to(doc.parent).as_posix()
+        blocks[name] = f"![{name}]({relative})\n\n{table}"
+    doc.write_text(replace_blocks(text, blocks))
+    return results
+
+
+def _setup_block(command: Sequence[str]) -> str:
+    profile = PROFILES[DEFAULT_PROFILE]
+    engine = engine_config(WORKLOADS["chat"], profile)
+    lora = engine_config(WORKLOADS["multi-lora"], profile)
+    point = Point(workload=WORKLOADS["chat"], policy=PolicyConfig(), rate=1, duration=DURATION)
+    lines = [
+        "```",
+        " ".join(shlex.quote(part) for part in command),
+        "```",
+        "",
+        f"- Fleet: {point.pods} pods, {point.pickers} picker, metrics scraped every "
+        f"{point.scrape_interval * 1000:g} ms and seen by the picker "
+        f"{point.propagation_delay * 1000:g} ms later.",
+        f"- Each point: {DURATION:g} s of arrivals (seed {SEED}), run until every request ended; "
+        f"policies {', '.join(POLICIES)} with default parameters.",
+        f"- Simulator profile `{profile.name}`: step = {profile.b0 * 1e3:g} ms + "
+        f"{profile.b1 * 1e6:g} µs/prefill token + {profile.b2 * 1e6:g} µs/decode token + "
+        f"{profile.b3 * 1e9:g} ns/context token; {profile.num_gpu_blocks} KV blocks of "
+        f"{profile.block_size} tokens; adapter load {profile.lora_load_cpu_s * 1e3:g} ms from "
+        f"CPU, {profile.lora_load_disk_s * 1e3:g} ms from disk; no jitter"
+        + ("." if not profile.jitter else f" (jitter {profile.jitter:g})."),
+        f"- vLLM settings: max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
+        f"{engine.max_num_batched_tokens}, prefix caching "
+        f"{'on' if engine.enable_prefix_caching else 'off'}; multi-LoRA: max_loras "
+        f"{lora.max_loras}, max_cpu_loras {lora.max_cpu_loras}.",
+        "- Workloads: "
+        + "; ".join(f"`{name}`: {WORKLOADS[name].description}" for name in RATES)
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"

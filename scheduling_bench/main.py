@@ -1,0 +1,190 @@
+"""``lig bench``: compare scheduling policies on a simulated vLLM fleet in virtual time.
+
+Two modes:
+
+- a sweep you choose: ``--workload``, ``--policies``, ``--rates`` and the fleet flags; writes
+  ``results.json``, ``results.md`` and ``<workload>.png`` to ``--out`` and prints the table;
+- ``--sweep default``: the sweep of ``docs/benchmarks.md``; rewrites that document's numbers and
+  plots in place (``--doc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import sys
+from pathlib import Path
+
+import msgspec
+
+from scheduling_bench import default_sweep, report
+from scheduling_bench.runner import Point, run_points
+from scheduling_bench.workloads import WORKLOADS, TraceError, Workload, read_trace
+from services.picker.scheduling import PolicyConfigError, build_policy, policy_names
+from shared.schemas import PolicyConfig
+from simulator.profiles import DEFAULT_PROFILE, load_profile
+
+TRACE_HELP = (
+    "trace CSV with columns arrived_at,num_prefill_tokens,num_decode_tokens (the public Azure "
+    "LLM inference trace 2023 as processed by microsoft/vidur, data/processed_traces/"
+    "splitwise_conv.csv) or the raw Azure columns TIMESTAMP,ContextTokens,GeneratedTokens"
+)
+
+# Flags that override a field of the chosen workload preset.
+_WORKLOAD_FLAGS: dict[str, tuple[type, str]] = {
+    "burstiness": (float, "Gamma shape of inter-arrival times (1 = Poisson, < 1 burstier)"),
+    "adapters": (int, "LoRA adapters, Zipf-popular (0 = base model only)"),
+    "zipf": (float, "Zipf exponent of adapter popularity"),
+    "max_loras": (int, "GPU adapter slots per pod"),
+    "max_cpu_loras": (int, "CPU adapter cache per pod (default: one per adapter)"),
+    "prefix_groups": (int, "groups sharing a system prompt"),
+    "prefix_tokens": (int, "tokens of each shared system prompt"),
+    "critical_fraction": (float, "share of Critical requests"),
+    "sheddable_fraction": (float, "share of Sheddable requests"),
+}
+
+
+class UsageError(Exception):
+    """A bad flag value; printed as one line."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``lig bench``."""
+    parser.add_argument(
+        "--sweep",
+        choices=["default"],
+        help="run the default sweep and rewrite --doc's numbers and plots (needs --trace)",
+    )
+    parser.add_argument(
+        "--doc", type=Path, default=Path("docs/benchmarks.md"), help="document --sweep rewrites"
+    )
+    parser.add_argument(
+        "--workload", default="chat", choices=list(WORKLOADS), help="workload preset"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(default_sweep.POLICIES),
+        help=f"comma-separated policy names (known: {', '.join(policy_names())})",
+    )
+    parser.add_argument("--rates", default="100,200,300", help="comma-separated requests/s")
+    parser.add_argument("--pods", type=int, default=8, help="simulated vLLM pods")
+    parser.add_argument("--pickers", type=int, default=1, help="picker replicas")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
+    parser.add_argument("--seed", type=int, default=1, help="seeds every random stream")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="folder for results and plot"
+    )
+    parser.add_argument("--trace", help=TRACE_HELP)
+    parser.add_argument("--scrape-interval", type=float, default=0.05, help="seconds")
+    parser.add_argument(
+        "--propagation-delay", type=float, default=0.005, help="scrape to picker, seconds"
+    )
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help="simulator profile name or YAML/JSON file"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG (no matplotlib)")
+    for field, (kind, text) in _WORKLOAD_FLAGS.items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=kind, help=text)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep the flags describe; 0 on success, 2 on bad input."""
+    try:
+        if args.sweep == "default":
+            return _run_default_sweep(args)
+        return _run_sweep(args)
+    except (UsageError, TraceError, PolicyConfigError, ValueError) as error:
+        print(f"lig bench: {error}", file=sys.stderr)
+        return 2
+
+
+def _run_default_sweep(args: argparse.Namespace) -> int:
+    if not args.trace:
+        raise UsageError(f"--sweep default replays a trace: pass --trace PATH ({TRACE_HELP})")
+    if not args.doc.is_file():
+        raise UsageError(f"{args.doc}: no such document")
+    _require_matplotlib()
+    read_trace(args.trace)  # a bad trace fails here, before the sweep starts
+    command = ["lig", "bench", "--sweep", "default", "--trace", "PATH/TO/splitwise_conv.csv"]
+    default_sweep.regenerate(args.doc, args.trace, command, args.jobs)
+    print(f"rewrote {args.doc} and its plots in {args.doc.parent / args.doc.stem}/")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    workload = _workload(args)
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    for name in policies:  # fail on a bad name before any run starts
+        build_policy(PolicyConfig(name=name), random.Random(0))
+    rates = _numbers(args.rates, "--rates")
+    if args.pods < 1 or args.pickers < 1 or args.duration <= 0 or args.jobs < 1:
+        raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
+    profile = load_profile(args.profile)
+    if not args.no_plots:
+        _require_matplotlib()
+    points = [
+        Point(
+            workload=workload,
+            policy=PolicyConfig(name=policy),
+            rate=rate,
+            duration=args.duration,
+            seed=args.seed,
+            pods=args.pods,
+            pickers=args.pickers,
+            scrape_interval=args.scrape_interval,
+            propagation_delay=args.propagation_delay,
+            profile=profile,
+        )
+        for rate in rates
+        for policy in policies
+    ]
+    results = run_points(points, jobs=args.jobs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(results)))
+    table = report.markdown_table(results)
+    if report.has_mixed_criticality(results):
+        table += "\n" + report.criticality_table(results)
+    (args.out / "results.md").write_text(table)
+    written = [args.out / "results.json", args.out / "results.md"]
+    if not args.no_plots:
+        image = args.out / f"{workload.name}.png"
+        title = f"{workload.name}: {args.pods} pods, {args.pickers} picker(s), {profile.name}"
+        report.plot(results, title, image)
+        written.append(image)
+    print(table)
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _require_matplotlib() -> None:
+    """Fail before a long sweep, not after it, when the plots cannot be drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("plots need matplotlib: pip install -e '.[bench]', or pass --no-plots")
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    workload = WORKLOADS[args.workload]
+    overrides = {
+        field: getattr(args, field) for field in _WORKLOAD_FLAGS if getattr(args, field) is not None
+    }
+    if args.trace:
+        read_trace(args.trace)  # a bad trace fails here, before any run starts
+        overrides["trace"] = args.trace
+    elif args.workload == "trace":
+        raise UsageError(f"--workload trace needs --trace PATH ({TRACE_HELP})")
+    return msgspec.structs.replace(workload, **overrides).validate()
+
+
+def _numbers(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise UsageError(f"{flag}: expected positive numbers, got {text!r}")
+    return values

@@ -1,0 +1,104 @@
+"""Run benchmark points: one workload, policy and rate each, in parallel worker processes.
+
+A point is plain data, so it travels to a worker process; its result does not depend on which
+process runs it or in what order (every random stream is seeded from the point).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+import msgspec
+
+from scheduling_bench.fleet import FleetConfig, simulate
+from scheduling_bench.results import RunMetrics, summarize
+from scheduling_bench.workloads import Workload, adapter_names, generate
+from shared.schemas import PolicyConfig
+from simulator.engine import EngineConfig
+from simulator.profiles import DEFAULT_PROFILE, PROFILES, Profile
+
+
+class Point(msgspec.Struct, frozen=True):
+    """One run: a workload at a rate for a duration, through a fleet under one policy."""
+
+    workload: Workload
+    policy: PolicyConfig
+    rate: float
+    duration: float
+    seed: int = 1
+    pods: int = 8
+    pickers: int = 1
+    scrape_interval: float = 0.05
+    propagation_delay: float = 0.005
+    profile: Profile = PROFILES[DEFAULT_PROFILE]
+
+
+def engine_config(workload: Workload, profile: Profile) -> EngineConfig:
+    """The vLLM settings of every pod: the profile, and the workload's adapters and slots."""
+    adapters = adapter_names(workload.adapters)
+    return EngineConfig(
+        profile=profile,
+        adapters=adapters,
+        max_loras=workload.max_loras,
+        max_cpu_loras=workload.max_cpu_loras or max(len(adapters), workload.max_loras),
+    )
+
+
+def run_point(point: Point) -> RunMetrics:
+    """Generate the point's requests, play them through the fleet, and summarize."""
+    requests = generate(point.workload, point.rate, point.duration, point.seed)
+    config = FleetConfig(
+        pods=point.pods,
+        pickers=point.pickers,
+        scrape_interval=point.scrape_interval,
+        propagation_delay=point.propagation_delay,
+        engine=engine_config(point.workload, point.profile),
+    )
+    run = simulate(requests, point.policy, config, point.seed)
+    return summarize(
+        run,
+        workload=point.workload.name,
+        policy=point.policy.name,
+        rate=point.rate,
+        duration=point.duration,
+        pickers=point.pickers,
+        scrape_interval=point.scrape_interval,
+        propagation_delay=point.propagation_delay,
+        seed=point.seed,
+    )
+
+
+def run_points(points: Sequence[Point], jobs: int = 1, progress: bool = True) -> list[RunMetrics]:
+    """Results of ``points``, in their order; ``jobs`` > 1 runs them in worker processes.
+
+    Equal points run once (a sweep may list a point twice, e.g. as part of two comparisons).
+    """
+    keys = [msgspec.json.encode(point) for point in points]
+    unique = {key: point for key, point in zip(keys, points, strict=True)}
+    done: dict[bytes, RunMetrics] = {}
+    if jobs <= 1 or len(unique) <= 1:
+        for key, point in unique.items():
+            done[key] = run_point(point)
+            if progress:
+                _report(len(done), len(unique), done[key])
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            # Longest first (most requests), so that no long run starts last and idles a core.
+            order = sorted(unique, key=lambda key: -unique[key].rate * unique[key].duration)
+            futures = {pool.submit(run_point, unique[key]): key for key in order}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
+                if progress:
+                    _report(len(done), len(unique), done[futures[future]])
+    return [done[key] for key in keys]
+
+
+def _report(done: int, total: int, result: RunMetrics) -> None:
+    print(
+        f"[{done}/{total}] {result.workload} {result.policy} {result.rate:g} req/s: "
+        f"{result.requests} requests, {result.wall_seconds:.1f} s wall",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -1,0 +1,300 @@
+"""Seeded request streams: when each request arrives, how long its prompt and answer are, which
+LoRA adapter it asks for, how critical it is and which system prompt it shares.
+
+A workload is data (:class:`Workload`); :func:`generate` turns it, a rate, a duration and a seed
+into the list of requests a run plays. Arrival times and request contents come from separate
+random streams, so request ``i`` has the same lengths, adapter and criticality at every rate:
+curves over rates compare like with like.
+
+Lengths are lognormal with the median and the mean of the public Azure LLM inference trace 2023
+(conversation service: prompt median 1020 / mean 1155 tokens, output median 129 / mean 211), or
+replayed from a trace CSV (``arrived_at, num_prefill_tokens, num_decode_tokens``, as processed by
+microsoft/vidur; the raw Azure ``TIMESTAMP, ContextTokens, GeneratedTokens`` columns work too).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+
+from services.picker.scheduling import SchedulingRequest
+from shared.schemas import Criticality
+from simulator.engine import RequestSpec, SyntheticPrompt
+
+BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+# Seeds of SyntheticPrompt segments: system prompts are negative, request-own text is positive,
+# so the two never produce equal token blocks.
+_OWN_TEXT_SEED = 1
+
+
+class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the requests of a run look like. Presets are in :data:`WORKLOADS`."""
+
+    name: str
+    description: str = ""
+    burstiness: float = 1.0
+    """Gamma shape of inter-arrival times: 1 is Poisson, below 1 burstier (as vLLM's bench)."""
+    prompt_median: float = 1020.0
+    prompt_sigma: float = 0.50
+    """Lognormal sigma; 0.50 with median 1020 gives the trace's mean of 1155."""
+    output_median: float = 129.0
+    output_sigma: float = 0.99
+    """Lognormal sigma; 0.99 with median 129 gives the trace's mean of 211 before the cap."""
+    max_prompt: int = 16_000
+    max_output: int = 1_000
+    """Caps on drawn (or replayed) lengths; the conversation trace's longest answer is 1000."""
+    trace: str | None = None
+    """A trace CSV to replay (arrivals rescaled to the rate, lengths as recorded)."""
+    adapters: int = 0
+    """LoRA adapters requests spread over (0: every request asks for the base model)."""
+    zipf: float = 1.0
+    """Adapter popularity: adapter k (from 0) is asked with weight 1 / (k + 1) ** zipf."""
+    max_loras: int = 4
+    """GPU adapter slots per pod (vLLM ``--max-loras``)."""
+    max_cpu_loras: int | None = None
+    """CPU adapter cache per pod (vLLM ``--max-cpu-loras``); None: one per adapter."""
+    prefix_groups: int = 0
+    """Groups of requests that share a system prompt (0: no shared prefix)."""
+    prefix_tokens: int = 0
+    """Length of each group's system prompt, before the request's own prompt."""
+    critical_fraction: float = 0.0
+    sheddable_fraction: float = 0.0
+    """Shares of Critical and Sheddable requests; the rest are Standard."""
+
+    def validate(self) -> Workload:
+        """Return self, or raise ValueError naming the first field that cannot work."""
+        positive = ("burstiness", "prompt_median", "output_median", "max_prompt", "max_output")
+        for field in positive:
+            if not getattr(self, field) > 0:
+                raise ValueError(f"workload {self.name}: {field} must be > 0")
+        for field in ("prompt_sigma", "output_sigma", "zipf", "prefix_groups", "prefix_tokens"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"workload {self.name}: {field} must be >= 0")
+        if self.adapters < 0 or self.max_loras < 1:
+            raise ValueError(f"workload {self.name}: adapters must be >= 0, max_loras >= 1")
+        if (self.prefix_groups > 0) != (self.prefix_tokens > 0):
+            raise ValueError(f"workload {self.name}: set both prefix_groups and prefix_tokens")
+        shares = (self.critical_fraction, self.sheddable_fraction)
+        if min(shares) < 0 or sum(shares) > 1:
+            raise ValueError(
+                f"workload {self.name}: critical_fraction and sheddable_fraction must be >= 0 "
+                "and add up to at most 1"
+            )
+        return self
+
+
+WORKLOADS: dict[str, Workload] = {
+    "chat": Workload(
+        name="chat",
+        description="synthetic chat: lognormal lengths fitted to the Azure conversation trace, "
+        "Poisson arrivals",
+    ),
+    "trace": Workload(
+        name="trace",
+        description="replay of a trace CSV (the Azure conversation trace), rescaled to the rate",
+    ),
+    "multi-lora": Workload(
+        name="multi-lora",
+        description="chat lengths over 16 LoRA adapters with Zipf(1) popularity, 4 slots per pod",
+        adapters=16,
+    ),
+    "shared-prefix": Workload(
+        name="shared-prefix",
+        description="chat prompts after one of 32 shared 2,000-token system prompts",
+        prefix_groups=32,
+        prefix_tokens=2_000,
+    ),
+    "mixed-criticality": Workload(
+        name="mixed-criticality",
+        description="chat with 20% Critical, 50% Standard and 30% Sheddable requests",
+        critical_fraction=0.2,
+        sheddable_fraction=0.3,
+    ),
+}
+
+
+class BenchRequest(msgspec.Struct, frozen=True):
+    """One request of a run: when it arrives, what the engine computes, what the picker sees."""
+
+    time: float
+    spec: RequestSpec
+    scheduling: SchedulingRequest
+
+
+class TraceRow(msgspec.Struct, frozen=True):
+    """One request of a trace: arrival (seconds from the trace's start) and token counts."""
+
+    arrived_at: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+_VIDUR_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """Read a trace CSV, sorted by arrival, times from 0; :class:`TraceError` if unusable.
+
+    Token counts below 1 are raised to 1 (the engine needs at least one of each).
+    """
+    path = Path(path)
+    try:
+        with path.open(newline="") as handle:
+            reader = csv.DictReader(handle)
+            columns = tuple(reader.fieldnames or ())
+            if set(_VIDUR_COLUMNS) <= set(columns):
+                time_col, prompt_col, output_col = _VIDUR_COLUMNS
+            elif set(_AZURE_COLUMNS) <= set(columns):
+                time_col, prompt_col, output_col = _AZURE_COLUMNS
+            else:
+                raise TraceError(
+                    f"{path}: expected columns {', '.join(_VIDUR_COLUMNS)} "
+                    f"(or {', '.join(_AZURE_COLUMNS)}), found {', '.join(columns) or 'none'}"
+                )
+            rows = []
+            for line, record in enumerate(reader, start=2):
+                try:
+                    rows.append(
+                        TraceRow(
+                            arrived_at=_seconds(record[time_col]),
+                            prompt_tokens=max(1, int(record[prompt_col])),
+                            output_tokens=max(1, int(record[output_col])),
+                        )
+                    )
+                except (TypeError, ValueError) as error:
+                    raise TraceError(f"{path}:{line}: {error}") from None
+    except OSError as error:
+        raise TraceError(f"{path}: {error.strerror or error}") from None
+    if len(rows) < 2:
+        raise TraceError(f"{path}: needs at least two requests to define a rate")
+    rows.sort(key=lambda row: row.arrived_at)
+    start = rows[0].arrived_at
+    if rows[-1].arrived_at <= start:
+        raise TraceError(f"{path}: every request arrives at the same time")
+    return [msgspec.structs.replace(row, arrived_at=row.arrived_at - start) for row in rows]
+
+
+def _seconds(value: str) -> float:
+    """A float of seconds, or an Azure timestamp (``2023-11-16 18:15:46.6805900``) in seconds."""
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    head, _, fraction = value.strip().partition(".")
+    # Azure writes 7 fractional digits, more than datetime parses; keep microseconds.
+    stamp = datetime.fromisoformat(f"{head}.{fraction[:6]}" if fraction else head)
+    return stamp.timestamp()
+
+
+def generate(workload: Workload, rate: float, duration: float, seed: int) -> list[BenchRequest]:
+    """The requests arriving in ``[0, duration)`` at ``rate`` requests/s on average."""
+    workload.validate()
+    if rate <= 0 or duration <= 0:
+        raise ValueError("rate and duration must be > 0")
+    arrival_rng = random.Random(f"arrivals/{seed}")
+    content_rng = random.Random(f"content/{seed}")
+    if workload.trace is None:
+        times: Iterator[float] = _gamma_arrivals(arrival_rng, rate, workload.burstiness)
+        lengths: Iterator[tuple[int, int]] = _lognormal_lengths(content_rng, workload)
+    else:
+        rows = read_trace(workload.trace)
+        times = _rescaled_arrivals(rows, rate)
+        lengths = _replayed_lengths(rows, workload)
+    adapters = adapter_names(workload.adapters)
+    cumulative = list(
+        itertools.accumulate(1.0 / (k + 1) ** workload.zipf for k in range(len(adapters)))
+    )
+    requests = []
+    for index, (time, (prompt, output)) in enumerate(zip(times, lengths, strict=False)):
+        if time >= duration:
+            break
+        # Draw every choice for every request, so that a workload's options do not shift the
+        # random stream of the others.
+        adapter_draw, class_draw, group_draw = (content_rng.random() for _ in range(3))
+        adapter = None
+        if adapters:
+            adapter = adapters[bisect.bisect_right(cumulative, adapter_draw * cumulative[-1])]
+        segments = ((_OWN_TEXT_SEED + index, prompt),)
+        if workload.prefix_groups:
+            group = int(group_draw * workload.prefix_groups)
+            segments = ((-1 - group, workload.prefix_tokens), *segments)
+        target = adapter or BASE_MODEL
+        requests.append(
+            BenchRequest(
+                time=time,
+                spec=RequestSpec(
+                    request_id=f"r{index}",
+                    prompt=SyntheticPrompt(segments),
+                    max_tokens=output,
+                    adapter=adapter,
+                ),
+                scheduling=SchedulingRequest(target, target, _criticality(workload, class_draw)),
+            )
+        )
+    return requests
+
+
+def adapter_names(count: int) -> tuple[str, ...]:
+    """The names of a workload's adapters, most popular first."""
+    return tuple(f"adapter-{k}" for k in range(count))
+
+
+def _criticality(workload: Workload, draw: float) -> Criticality:
+    if draw < workload.critical_fraction:
+        return Criticality.CRITICAL
+    if draw < workload.critical_fraction + workload.sheddable_fraction:
+        return Criticality.SHEDDABLE
+    return Criticality.STANDARD
+
+
+def _gamma_arrivals(rng: random.Random, rate: float, shape: float) -> Iterator[float]:
+    """Arrival times with Gamma(shape) gaps of mean ``1 / rate`` (shape 1: Poisson)."""
+    scale = 1.0 / (rate * shape)
+    time = 0.0
+    while True:
+        time += rng.gammavariate(shape, scale)
+        yield time
+
+
+def _lognormal_lengths(rng: random.Random, workload: Workload) -> Iterator[tuple[int, int]]:
+    prompt_mu, output_mu = math.log(workload.prompt_median), math.log(workload.output_median)
+    while True:
+        prompt = round(rng.lognormvariate(prompt_mu, workload.prompt_sigma))
+        output = round(rng.lognormvariate(output_mu, workload.output_sigma))
+        yield (
+            min(max(prompt, 1), workload.max_prompt),
+            min(max(output, 1), workload.max_output),
+        )
+
+
+def _rescaled_arrivals(rows: list[TraceRow], rate: float) -> Iterator[float]:
+    """The trace's arrivals with time scaled to ``rate``, the trace looped when it runs out."""
+    span = rows[-1].arrived_at
+    scale = span / (len(rows) - 1) * rate  # trace seconds per run second
+    # The loop restarts one mean gap after the last arrival, keeping the mean rate.
+    period = (span + span / (len(rows) - 1)) / scale
+    for lap in itertools.count():
+        for row in rows:
+            yield lap * period + row.arrived_at / scale
+
+
+def _replayed_lengths(rows: list[TraceRow], workload: Workload) -> Iterator[tuple[int, int]]:
+    for row in itertools.cycle(rows):
+        yield (
+            min(row.prompt_tokens, workload.max_prompt),
+            min(row.output_tokens, workload.max_output),
+        )
