@@ -1,3 +1,9 @@
 """Fixtures shared by the suites; each lives in tests/support/ beside its helpers."""
 
-pytest_plugins = ["tests.support.nats_server"]
+pytest_plugins = [
+    "tests.support.nats_server",
+    "tests.support.metrics_pages",
+    "tests.support.envoy",
+    "tests.support.picker",
+    "tests.support.simulator",
+]

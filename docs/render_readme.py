@@ -1,0 +1,135 @@
+"""Regenerate the reference sections of README.md from the code itself.
+
+    python docs/render_readme.py           # rewrite them
+    python docs/render_readme.py --check   # exit 1 if README.md is out of date
+
+Sections between ``<!-- BEGIN GENERATED: NAME -->`` and ``<!-- END GENERATED: NAME -->``:
+``commands`` (every ``lig`` command's real ``--help``), ``environment`` (the variables those help
+texts name) and ``metrics`` (the Prometheus metrics each service registers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from lig.cli import COMMANDS  # noqa: E402
+
+README = ROOT / "README.md"
+HELP_WIDTH = "100"
+_ENV = re.compile(r"\benv (LIG_[A-Z_]+)")
+
+
+def command_help(command: str) -> str:
+    """``lig <command> --help`` exactly as the CLI prints it, independent of this machine."""
+    module_name, summary = COMMANDS[command]
+    saved = {name: value for name, value in os.environ.items() if name.startswith("LIG_")}
+    for name in saved:
+        del os.environ[name]
+    os.environ["COLUMNS"] = HELP_WIDTH
+    try:
+        parser = argparse.ArgumentParser(
+            prog=f"lig {command}", description=summary,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        importlib.import_module(module_name).configure(parser)
+        text = parser.format_help()
+    finally:
+        os.environ.update(saved)
+    # The collector's default id is this host and process; say so instead.
+    return text.replace(f"{socket.gethostname()}-{os.getpid()}", "HOSTNAME-PID")
+
+
+def commands_section() -> str:
+    parts = []
+    for command in COMMANDS:
+        parts.append(f"#### `lig {command}`\n\n```text\n{command_help(command).rstrip()}\n```")
+    return "\n\n".join(parts)
+
+
+def environment_section() -> str:
+    readers: dict[str, list[str]] = {}
+    for command in COMMANDS:
+        for variable in sorted(set(_ENV.findall(command_help(command)))):
+            readers.setdefault(variable, []).append(f"`lig {command}`")
+    rows = [f"| `{variable}` | {', '.join(commands)} |"
+            for variable, commands in sorted(readers.items())]
+    return "\n".join(["| variable | read by |", "|---|---|", *rows])
+
+
+def _metric_registries() -> dict[str, Callable[[], CollectorRegistry]]:
+    from services.collector.observability import CollectorMetrics
+    from services.picker.observability import PickerMetrics
+    from services.registry.metrics import RegistryMetrics
+
+    def picker() -> CollectorRegistry:
+        registry = CollectorRegistry()
+        PickerMetrics(registry)
+        return registry
+
+    return {
+        "lig picker (`--metrics-port`, 9090)": picker,
+        "lig collector (`--metrics-port`, 9091)": lambda: CollectorMetrics().registry,
+        "lig registry (`--metrics-port`, 9092)": lambda: RegistryMetrics().registry,
+    }
+
+
+def metrics_section() -> str:
+    parts = []
+    for service, make_registry in _metric_registries().items():
+        rows = ["| metric | type | meaning |", "|---|---|---|"]
+        for family in make_registry().collect():
+            name = f"{family.name}_total" if family.type == "counter" else family.name
+            rows.append(f"| `{name}` | {family.type} | {family.documentation} |")
+        parts.append(f"{service}:\n\n" + "\n".join(rows))
+    return "\n\n".join(parts)
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "commands": commands_section,
+    "environment": environment_section,
+    "metrics": metrics_section,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated section replaced by its current content."""
+    for name, make in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: "
+                             rf"{name} -->)", re.DOTALL)
+        if not pattern.search(text):
+            raise ValueError(f"README.md has no generated section {name!r}")
+        content = make()
+        text = pattern.sub(lambda m, c=content: f"{m.group(1)}{c}\n{m.group(2)}", text)
+    return text
+
+
+def main() -> int:
+    """Rewrite README.md, or with ``--check`` exit 1 when it is out of date."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
+    args = parser.parse_args()
+    current = README.read_text()
+    wanted = render(current)
+    if args.check:
+        if wanted != current:
+            print("README.md is out of date: run python docs/render_readme.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(wanted)
+    print("wrote README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

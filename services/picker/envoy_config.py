@@ -1,0 +1,87 @@
+"""Render the shipped Envoy bootstrap (``deploy/envoy/envoy.yaml``) for other ports and pickers.
+
+The file is a working configuration on its own; this fills in the listener and admin addresses,
+the picker replicas (gRPC and health ports each) and the destination header name, so that
+``lig up``, the tests and the benchmark run the very configuration the project ships.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+
+class PickerEndpoint(msgspec.Struct, frozen=True):
+    """Where Envoy reaches one picker replica (``host`` may be a DNS name)."""
+
+    host: str
+    grpc_port: int = 9002
+    health_port: int = 9003
+
+
+def envoy_config(
+    *,
+    listener_port: int,
+    admin_port: int,
+    pickers: Sequence[PickerEndpoint | tuple[str, int, int]],
+    listener_host: str = "0.0.0.0",
+    admin_host: str = "127.0.0.1",
+    destination_header: str = DESTINATION_HEADER,
+    template: Path = TEMPLATE,
+) -> dict[str, Any]:
+    """The bootstrap as a dict; pickers as :class:`PickerEndpoint` or ``(host, grpc, health)``."""
+    if not pickers:
+        raise ValueError("Envoy needs at least one picker")
+    pickers = [p if isinstance(p, PickerEndpoint) else PickerEndpoint(*p) for p in pickers]
+    config = yaml.safe_load(template.read_text())
+    config["admin"]["address"]["socket_address"] = {"address": admin_host,
+                                                     "port_value": admin_port}
+    resources = config["static_resources"]
+    gateway = _named(resources["listeners"], "gateway")
+    gateway["address"]["socket_address"] = {"address": listener_host,
+                                             "port_value": listener_port}
+    model_servers = _named(resources["clusters"], "model_servers")
+    model_servers["original_dst_lb_config"]["http_header_name"] = destination_header
+    picker = _named(resources["clusters"], "picker")
+    picker["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        {"endpoint": {
+            "address": {"socket_address": {"address": p.host, "port_value": p.grpc_port}},
+            "health_check_config": {"port_value": p.health_port},
+        }}
+        for p in pickers
+    ]}]
+    return config
+
+
+def render_envoy_config(**options: Any) -> str:
+    """The bootstrap as YAML text; takes the arguments of :func:`envoy_config`."""
+    return dump_envoy_config(envoy_config(**options))
+
+
+def dump_envoy_config(config: dict[str, Any]) -> str:
+    """``config`` as YAML text for Envoy's ``--config-path`` (a ``.yaml`` file)."""
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any]:
+    """The ext_proc filter's ``typed_config`` inside ``config`` (to adjust processing modes)."""
+    gateway = _named(config["static_resources"]["listeners"], "gateway")
+    manager = gateway["filter_chains"][0]["filters"][0]["typed_config"]
+    for http_filter in manager["http_filters"]:
+        if http_filter["name"] == "envoy.filters.http.ext_proc":
+            return http_filter["typed_config"]
+    raise KeyError("no ext_proc filter in the Envoy configuration")
+
+
+def _named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    for item in items:
+        if item.get("name") == name:
+            return item
+    raise KeyError(f"Envoy configuration has no {name!r}")

@@ -1,0 +1,361 @@
+"""Envoy's external processing API: one ``Process`` stream per HTTP request.
+
+The request headers are answered at once (CONTINUE, route cache cleared, any client-supplied
+destination header removed), except when Envoy streams the body without waiting: then the
+headers answer is held until the body is complete, because it must carry the destination. The
+complete body is routed (see :mod:`services.picker.routing`); the answer sets the destination
+header, the ``envoy.lb`` dynamic metadata, and the rewritten body with its ``content-length``.
+Errors become an ImmediateResponse with an OpenAI-shaped JSON body; the stream stays healthy.
+
+When a request was resolved to a different target model, the routing answer also sets
+``x-gateway-model-rewrite`` (the requested name, percent-encoded). The shipped Envoy bootstrap runs
+a second ext_proc filter only for such requests; on its stream the picker answers the response
+headers with a ``mode_override`` asking for the response body (BUFFERED for JSON, STREAMED for
+Server-Sent Events) and rewrites ``model`` back to the name the client asked for. Every other
+request costs the picker two messages. (An Envoy that sends response headers on the routing
+stream itself gets the same treatment there.)
+
+:class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
+:class:`ExternalProcessor` is the grpc.aio servicer around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.type.v3 import http_status_pb2
+
+from services.picker.observability import PickerMetrics
+from services.picker.responses import ResponseRewriter
+from services.picker.routing import Rejected, Routed, Router, reject
+from services.picker.state import PodTable
+from shared.logs import RateLimitedLog
+
+log = logging.getLogger("lig.picker.ext_proc")
+
+Mode = processing_mode_pb2.ProcessingMode
+NONE, STREAMED, BUFFERED = Mode.NONE, Mode.STREAMED, Mode.BUFFERED
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_EVENT_STREAM = b"text/event-stream"
+REWRITE_HEADER = "x-gateway-model-rewrite"
+
+
+def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
+    # Envoy reads raw_value (bytes); it leaves `value` empty in what it sends, too.
+    option = mutation.set_headers.add()
+    option.header.key = key
+    option.header.raw_value = value
+    option.append_action = _OVERWRITE
+
+
+class Processor:
+    """What every stream shares: the router, the pod table, metrics and prebuilt answers."""
+
+    def __init__(self, router: Router, pods: PodTable, metrics: PickerMetrics,
+                 destination_header: str,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.router = router
+        self.pods = pods
+        self.metrics = metrics
+        self.header = destination_header.lower()
+        self._clock = clock
+        self._errors = RateLimitedLog(log)
+        self.headers_continue = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                clear_route_cache=True,
+                header_mutation=pb.HeaderMutation(remove_headers=[self.header, REWRITE_HEADER]))))
+        self.rewrite_headers_continue = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(remove_headers=[REWRITE_HEADER]))))
+        self.request_body_continue = pb.ProcessingResponse(request_body=pb.BodyResponse())
+        self.response_headers_continue = pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse())
+        self.response_body_continue = pb.ProcessingResponse(response_body=pb.BodyResponse())
+        self.request_trailers_continue = pb.ProcessingResponse(
+            request_trailers=pb.TrailersResponse())
+        self.response_trailers_continue = pb.ProcessingResponse(
+            response_trailers=pb.TrailersResponse())
+        self._headers_then_buffered: dict[int, pb.ProcessingResponse] = {}
+
+    def headers_continue_buffered(self, response_body_mode: int) -> pb.ProcessingResponse:
+        """CONTINUE that also switches the request body to BUFFERED (both body modes restated,
+        since Envoy copies both from an override)."""
+        reply = self._headers_then_buffered.get(response_body_mode)
+        if reply is None:
+            reply = pb.ProcessingResponse()
+            reply.CopyFrom(self.headers_continue)
+            reply.mode_override.request_body_mode = BUFFERED
+            reply.mode_override.response_body_mode = response_body_mode
+            self._headers_then_buffered[response_body_mode] = reply
+        return reply
+
+    def route(self, body: bytes | None) -> Routed | Rejected:
+        """Route one request (``None``: it has no body), counting the outcome."""
+        start = self._clock()
+        result = self.router.route(body) if body is not None else self.router.route_bodiless()
+        self.metrics.decision_seconds.observe(self._clock() - start)
+        if isinstance(result, Routed):
+            self.pods.started(result.pod)
+            self.metrics.count_request(result.model, result.target_model, result.registered,
+                                       result.pod, "routed")
+        else:
+            self.metrics.count_request(result.model, result.target_model, result.registered,
+                                       "", result.outcome)
+        return result
+
+    def set_destination(self, reply: pb.ProcessingResponse, common: pb.CommonResponse,
+                        routed: Routed) -> None:
+        """Destination header, ``envoy.lb`` metadata, and the new body's content-length."""
+        mutation = common.header_mutation
+        _set_header(mutation, self.header, routed.endpoint.encode())
+        if routed.body is not None:
+            _set_header(mutation, "content-length", str(len(routed.body)).encode())
+            _set_header(mutation, REWRITE_HEADER,
+                        urllib.parse.quote(routed.model, safe="").encode())
+        else:  # a client-supplied value must not switch the response rewrite on
+            mutation.remove_headers.append(REWRITE_HEADER)
+        common.clear_route_cache = True
+        lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+        lb.fields[self.header].string_value = routed.endpoint
+
+    def immediate(self, rejected: Rejected) -> pb.ProcessingResponse:
+        """The ImmediateResponse answering the client with ``rejected``'s status and body."""
+        reply = pb.ProcessingResponse()
+        answer = reply.immediate_response
+        answer.status.code = rejected.status  # type: ignore[assignment]
+        answer.body = rejected.body
+        answer.details = f"lig_picker_{rejected.outcome}"
+        _set_header(answer.headers, "content-type", b"application/json")
+        if rejected.status == http_status_pb2.TooManyRequests:
+            _set_header(answer.headers, "retry-after", b"1")
+        return reply
+
+    def internal_error(self, exc: BaseException) -> pb.ProcessingResponse:
+        """A 500 for a bug in the picker: logged (rate limited), counted, stream kept."""
+        self._errors.warning("error handling an ext_proc message: %s",
+                             "".join(traceback.format_exception(exc)))
+        self.metrics.count_request("", "", False, "", "500")
+        return self.immediate(reject(500, "the endpoint picker failed", "picker_error"))
+
+
+class Exchange:
+    """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
+
+    __slots__ = ("_chunks", "_held_chunks", "_hold_headers", "_p", "_request_mode",
+                 "_response_buffered", "_response_mode", "_rewrite_to", "_rewriter", "routed")
+
+    def __init__(self, processor: Processor) -> None:
+        self._p = processor
+        self.routed: Routed | None = None
+        self._request_mode = BUFFERED
+        self._response_mode = NONE
+        self._hold_headers = False
+        self._chunks: list[bytes] = []
+        self._held_chunks = 0
+        self._rewriter: ResponseRewriter | None = None
+        self._rewrite_to: str | None = None  # the requested name, when the response needs it
+        self._response_buffered = False
+
+    def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
+        """The answers to ``message`` (none while its answer must wait for more body)."""
+        kind = message.WhichOneof("request")
+        if kind == "request_body":
+            return self._request_body(message.request_body)
+        if kind == "request_headers":
+            return self._request_headers(message)
+        if kind == "response_headers":
+            return self._response_headers(message.response_headers)
+        if kind == "response_body":
+            return self._response_body(message.response_body)
+        if kind == "request_trailers":
+            return (self._p.request_trailers_continue,)
+        if kind == "response_trailers":
+            return (self._p.response_trailers_continue,)
+        return ()
+
+    def close(self) -> None:
+        """The stream ended: the request is no longer in flight; count its token usage."""
+        routed = self.routed
+        if routed is not None:
+            self._p.pods.finished(routed.pod)
+        usage = self._rewriter.usage if self._rewriter is not None else None
+        if usage is not None:
+            if routed is not None:
+                self._p.metrics.count_tokens(routed.model, routed.registered, usage)
+            elif self._rewrite_to is not None:  # only registered models are rewritten
+                self._p.metrics.count_tokens(self._rewrite_to, True, usage)
+
+    # --- request -------------------------------------------------------------------------
+
+    def _request_headers(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
+        if message.HasField("protocol_config"):
+            config = message.protocol_config
+            self._request_mode = config.request_body_mode
+            self._response_mode = config.response_body_mode
+            self._hold_headers = (config.send_body_without_waiting_for_header_response
+                                  and config.request_body_mode == STREAMED)
+        if self._request_mode == NONE:
+            requested = _header(message.request_headers, REWRITE_HEADER)
+            if requested is not None:  # the response-rewrite filter's stream
+                self._rewrite_to = urllib.parse.unquote(requested.decode())
+                return (self._p.rewrite_headers_continue,)
+        if message.request_headers.end_of_stream or self._request_mode == NONE:
+            return (self._answer_headers_with(self._p.route(None)),)
+        if self._hold_headers:
+            return ()
+        if self._request_mode == STREAMED:
+            # Envoy would send the headers upstream before the body (and so the destination)
+            # is known: ask for the body buffered instead. Chunks are still accumulated below
+            # should Envoy not allow the override.
+            return (self._p.headers_continue_buffered(self._response_mode),)
+        return (self._p.headers_continue,)
+
+    def _answer_headers_with(self, result: Routed | Rejected) -> pb.ProcessingResponse:
+        if isinstance(result, Rejected):
+            return self._p.immediate(result)
+        self._take(result)
+        reply = pb.ProcessingResponse()
+        common = reply.request_headers.response
+        self._p.set_destination(reply, common, result)
+        return reply
+
+    def _take(self, routed: Routed) -> None:
+        self.routed = routed
+        if routed.body is not None:
+            self._rewrite_to = routed.model
+
+    def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+        if self._request_mode != STREAMED:
+            return self._answer_body(body.body, 1)
+        self._chunks.append(body.body)
+        self._held_chunks += 1
+        if not body.end_of_stream:
+            return ()  # each chunk's answer waits until the whole body is known
+        whole = self._chunks[0] if self._held_chunks == 1 else b"".join(self._chunks)
+        self._chunks = []
+        return self._answer_body(whole, self._held_chunks)
+
+    def _answer_body(self, body: bytes, chunks: int) -> tuple[pb.ProcessingResponse, ...]:
+        result = self._p.route(body)
+        if isinstance(result, Rejected):
+            return (self._p.immediate(result),)
+        self._take(result)
+        replies: list[pb.ProcessingResponse] = []
+        if self._hold_headers:
+            replies.append(self._answer_headers_with(result))
+        # One answer per chunk, in order. The destination rides on the first answer Envoy
+        # reads before it forwards the headers; a rewritten body replaces the last chunk and
+        # the earlier ones are cleared.
+        for index in range(chunks):
+            carries_destination = index == 0 and not self._hold_headers
+            if result.body is None and not carries_destination:
+                replies.append(self._p.request_body_continue)
+                continue
+            reply = pb.ProcessingResponse()
+            common = reply.request_body.response
+            common.SetInParent()
+            if carries_destination:
+                self._p.set_destination(reply, common, result)
+            if result.body is not None:
+                if index == chunks - 1:
+                    common.body_mutation.body = result.body
+                else:
+                    common.body_mutation.clear_body = True
+            replies.append(reply)
+        return tuple(replies)
+
+    # --- response ------------------------------------------------------------------------
+
+    def _response_headers(self, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, ...]:
+        rewrite_to = self._rewrite_to
+        if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
+            return (self._p.response_headers_continue,)
+        sse = _is_event_stream(headers)
+        wanted = STREAMED if sse else BUFFERED
+        if rewrite_to is None:
+            self._rewriter = ResponseRewriter(None, sse)
+            self._response_buffered = self._response_mode == BUFFERED
+            return (self._p.response_headers_continue,)
+        self._rewriter = ResponseRewriter(rewrite_to, sse)
+        reply = pb.ProcessingResponse()
+        common = reply.response_headers.response
+        mode = self._response_mode
+        if mode != wanted:
+            reply.mode_override.request_body_mode = self._request_mode
+            reply.mode_override.response_body_mode = wanted
+            mode = wanted
+        self._response_buffered = mode == BUFFERED
+        if not self._response_buffered:
+            # Chunks change length as they pass: let Envoy frame the body instead.
+            common.header_mutation.remove_headers.append("content-length")
+        else:
+            common.SetInParent()
+        return (reply,)
+
+    def _response_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+        rewriter = self._rewriter
+        if rewriter is None:
+            return (self._p.response_body_continue,)
+        new = rewriter.feed(body.body, body.end_of_stream)
+        if new is None:
+            return (self._p.response_body_continue,)
+        reply = pb.ProcessingResponse()
+        common = reply.response_body.response
+        if new:
+            common.body_mutation.body = new
+        else:
+            common.body_mutation.clear_body = True
+        if self._response_buffered and body.end_of_stream:
+            _set_header(common.header_mutation, "content-length", str(len(new)).encode())
+        return (reply,)
+
+
+def _header(headers: pb.HttpHeaders, key: str) -> bytes | None:
+    for header in headers.headers.headers:
+        if header.key == key:
+            return header.raw_value or header.value.encode()
+    return None
+
+
+def _is_event_stream(headers: pb.HttpHeaders) -> bool:
+    content_type = _header(headers, "content-type")
+    return content_type is not None and content_type.startswith(_EVENT_STREAM)
+
+
+class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """The grpc.aio servicer: runs an :class:`Exchange` per stream."""
+
+    def __init__(self, processor: Processor) -> None:
+        self._processor = processor
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Answer Envoy's messages for one HTTP request until Envoy closes the stream."""
+        # context.read()/write() costs less CPU per message than the async-iterator style.
+        exchange = Exchange(self._processor)
+        try:
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    return
+                try:
+                    replies = exchange.handle(message)
+                except Exception as exc:  # a bug must cost one request, not the stream
+                    await context.write(self._processor.internal_error(exc))
+                    return
+                for reply in replies:
+                    await context.write(reply)
+        finally:
+            exchange.close()

@@ -1,0 +1,233 @@
+"""``lig picker``: the Envoy ext_proc endpoint picker of one pool, fed from NATS.
+
+Wires the parts: registry watch and metric snapshots from NATS into the pod table and router;
+the ext_proc gRPC server; gRPC health; Prometheus metrics; and a housekeeping loop that flips
+readiness and refreshes the gauges. ``--workers N`` runs N such processes on the same ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import random
+import sys
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from nats.aio.client import Client
+from prometheus_client import CollectorRegistry, start_http_server
+
+from services.picker.ext_proc import ExternalProcessor, Processor
+from services.picker.health import PickerHealth
+from services.picker.metrics_feed import SnapshotSink, subscribe
+from services.picker.observability import PickerMetrics
+from services.picker.routing import Router
+from services.picker.state import PodTable
+from shared.logs import add_logging_arguments, setup_logging
+from shared.nats_connection import (
+    NatsSettings,
+    add_nats_arguments,
+    connect,
+    settings_from_args,
+)
+from shared.registry_view import RegistryView, RegistryWatcher
+from shared.service import run_service
+from shared.subjects import Subjects
+
+log = logging.getLogger("lig.picker")
+
+HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refreshes
+SHUTDOWN_GRACE = 1.0  # seconds open streams get after SIGTERM (the service stops within ~2 s)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # above Envoy's 32 MiB body buffer in deploy/envoy
+GIL_SWITCH_INTERVAL = 0.0002  # seconds (Python's default is 0.005)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the picker's flags (see the service flag contract in the team brief)."""
+    env = os.environ.get
+    parser.add_argument("--pool", default=env("LIG_POOL") or None, required=not env("LIG_POOL"),
+                        help="the InferencePool this picker serves (env LIG_POOL)")
+    parser.add_argument("--host", default=env("LIG_HOST", "0.0.0.0"),
+                        help="address to listen on (env LIG_HOST)")
+    parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
+    parser.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
+    parser.add_argument("--metrics-port", type=int, default=9090,
+                        help="Prometheus /metrics port (0 disables)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes sharing the ports (SO_REUSEPORT)")
+    parser.add_argument("--stale-after", type=float, default=1.0,
+                        help="seconds after which a pod's newest snapshot is stale")
+    parser.add_argument("--destination-header", default="x-gateway-destination-endpoint",
+                        help="request header naming the chosen pod (ip:port) for Envoy")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for the random choices (reproducible runs)")
+    add_nats_arguments(parser)
+    add_logging_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the picker until SIGTERM/SIGINT."""
+    if not args.pool:
+        raise SystemExit("--pool must name the InferencePool to serve")
+    if args.workers < 1:
+        raise SystemExit("--workers must be at least 1")
+    if args.stale_after <= 0:
+        raise SystemExit("--stale-after must be positive")
+    setup_logging("picker", args.log_level)
+    if args.workers > 1:
+        from services.picker.workers import supervise
+
+        return supervise(args)
+    return run_service(lambda stop: serve(args, stop, CollectorRegistry(), args.metrics_port))
+
+
+def grpc_server(reuse_port: bool) -> grpc.aio.Server:
+    """A grpc.aio server tuned for Envoy: large bodies, Envoy's keepalive pings allowed."""
+    return grpc.aio.server(options=[
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ])
+
+
+def _serve_metrics(host: str, port: int | None,
+                   registry: CollectorRegistry) -> WSGIServer | None:
+    if not port:
+        return None
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as exc:
+        raise SystemExit(f"picker: cannot serve metrics on {host}:{port}: {exc}") from None
+    return server
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise SystemExit(f"picker: cannot listen on {host}:{port} (in use?)")
+    return bound
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: CollectorRegistry,
+                metrics_port: int | None, reuse_port: bool = False) -> int:
+    """The picker process: serve until ``stop`` is set, then shut down within ~2 s."""
+    # grpc.aio hands every completion from its poller thread to the event loop's thread; with
+    # the default 5 ms GIL switch interval that hand-off waits behind any busy Python code.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    metrics = PickerMetrics(registry)
+    pods = PodTable(args.stale_after)
+    router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
+    processor = Processor(router, pods, metrics, args.destination_header)
+
+    http_server = _serve_metrics(args.host, metrics_port, registry)
+    ext_proc_server = grpc_server(reuse_port)
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+        ExternalProcessor(processor), ext_proc_server)
+    health_server = grpc_server(reuse_port)
+    health = PickerHealth(health_server)
+    try:
+        grpc_port = _listen(ext_proc_server, args.host, args.grpc_port)
+        health_port = _listen(health_server, args.host, args.health_port)
+    except SystemExit:
+        if http_server is not None:
+            http_server.shutdown()
+        raise
+    await ext_proc_server.start()
+    await health.start()
+    # Everything allocated so far lives as long as the process: keep it out of the cyclic
+    # collector's scans, which otherwise run every few hundred requests.
+    gc.freeze()
+
+    settings = settings_from_args(args)
+    subjects = Subjects(settings.prefix)
+    view = RegistryView()
+    nats = _NatsLink(args.pool, settings, subjects, view, router, pods, metrics)
+    tasks = [asyncio.create_task(nats.run(stop)),
+             asyncio.create_task(_housekeeping(stop, nats, pods, health, metrics))]
+    log.info("picker for pool %s: ext_proc on %s:%d, health on %s:%d, metrics on %s, NATS %s",
+             args.pool, args.host, grpc_port, args.host, health_port,
+             f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url)
+    await stop.wait()
+
+    log.info("picker stopping")
+    for task in tasks:
+        task.cancel()
+    closing = [health.stop(0), ext_proc_server.stop(SHUTDOWN_GRACE),
+               asyncio.gather(*tasks, return_exceptions=True)]
+    if http_server is not None:
+        closing.append(asyncio.to_thread(http_server.shutdown))
+    await asyncio.gather(*closing)
+    return 0
+
+
+class _NatsLink:
+    """The NATS side: connect (forever), watch the registry, subscribe to snapshots."""
+
+    def __init__(self, pool: str, settings: NatsSettings, subjects: Subjects, view: RegistryView,
+                 router: Router, pods: PodTable, metrics: PickerMetrics) -> None:
+        self._settings = settings
+        self._subjects = subjects
+        self._metrics = metrics
+        self.client: Client | None = None
+        self.watcher: RegistryWatcher | None = None
+        self._view = view
+        self._router = router
+        self.sink = SnapshotSink(
+            pool, pods,
+            on_undecodable=metrics.undecodable.labels("metrics").inc,
+            on_out_of_order=metrics.out_of_order.inc)
+
+    @property
+    def connected(self) -> bool:
+        """True while the NATS connection is up."""
+        return self.client is not None and self.client.is_connected
+
+    @property
+    def synced(self) -> bool:
+        """True once the registry view has been loaded."""
+        return self.watcher is not None and self.watcher.synced.is_set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Connect, follow the registry until ``stop``, then close the connection."""
+
+        async def on_reconnect() -> None:
+            # nats-py's KV watch can stall for seconds after a server restart: rebuild it.
+            if self.watcher is not None:
+                self.watcher.resync()
+
+        self.client = await connect(self._settings, "lig-picker", on_reconnect=on_reconnect)
+        try:
+            undecodable = self._metrics.undecodable.labels("registry")
+            self.watcher = RegistryWatcher(
+                self.client.jetstream(), self._subjects.registry_bucket, self._view,
+                on_change=lambda: self._router.update(self._view),
+                on_undecodable=lambda key, exc: undecodable.inc())
+            await subscribe(self.client, self._subjects, self.sink)
+            await self.watcher.run(stop)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.close(), 0.5)
+
+
+async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, pods: PodTable,
+                        health: PickerHealth, metrics: PickerMetrics) -> None:
+    while not stop.is_set():
+        if not health.ready and nats.synced and pods.has_member_snapshot():
+            await health.set_ready()
+            metrics.ready.set(1)
+            log.info("picker ready: registry synced and metric snapshots arriving")
+        metrics.nats_connected.set(1 if nats.connected else 0)
+        metrics.show_pods(pods.freshness(), pods.in_flight())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), HOUSEKEEPING_INTERVAL)

@@ -1,0 +1,97 @@
+"""The picker's Prometheus metrics (served on ``--metrics-port``, 9090 by default).
+
+Per-request updates go through cached label children (no label lookup on the hot path); gauges
+about pods and NATS are refreshed by the service's housekeeping loop, not per request. With
+``--workers N`` the values live in prometheus-client's multiprocess files and the supervisor
+serves the sum (counters) or the live maximum (gauges that every worker sees alike).
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.picker.responses import Usage
+from services.picker.state import Freshness
+
+# A decision usually takes tens of microseconds; the tail matters up to Envoy's message timeout.
+_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                     0.05, 0.1, 0.25, 1.0)
+UNREGISTERED = "unregistered"
+
+
+class PickerMetrics:
+    """Every metric the picker exports, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "lig_picker_requests", "Requests handled, by requested model, target model, pod "
+            "and outcome (routed, 400, 404, 429, 503, 500)",
+            ["model", "target_model", "pod", "outcome"], registry=registry)
+        self.decision_seconds = Histogram(
+            "lig_picker_decision_seconds", "Time from a complete request body to the routing "
+            "answer", buckets=_DECISION_BUCKETS, registry=registry)
+        self.tokens = Counter(
+            "lig_picker_tokens", "Tokens reported in response usage, by requested model and kind",
+            ["model", "kind"], registry=registry)
+        self.all_stale = Counter(
+            "lig_picker_all_stale_decisions", "Requests routed uniformly at random because no "
+            "pod had fresh metrics", registry=registry)
+        self.undecodable = Counter(
+            "lig_picker_undecodable_messages", "NATS messages that did not decode and were "
+            "skipped, by source", ["source"], registry=registry)
+        self.out_of_order = Counter(
+            "lig_picker_out_of_order_snapshots", "Metric snapshots dropped because a newer one "
+            "had already arrived", registry=registry)
+        self.pods = Gauge(
+            "lig_picker_pods", "Member pods of the pool by metrics freshness", ["state"],
+            registry=registry, multiprocess_mode="livemax")
+        self.snapshot_age = Gauge(
+            "lig_picker_snapshot_age_seconds", "Age of each pod's newest metric snapshot "
+            "(scrape time to now)", ["pod"], registry=registry, multiprocess_mode="livemax")
+        self.in_flight = Gauge(
+            "lig_picker_in_flight_requests", "Requests this picker sent to each pod that have "
+            "not finished", ["pod"], registry=registry, multiprocess_mode="livesum")
+        self.nats_connected = Gauge(
+            "lig_picker_nats_connected", "1 while connected to NATS", registry=registry,
+            multiprocess_mode="livemin")
+        self.ready = Gauge(
+            "lig_picker_ready", "1 once registry state and a metric snapshot have arrived",
+            registry=registry, multiprocess_mode="livemin")
+        self._request_children: dict[tuple[str, str, str, str], Counter] = {}
+        self._token_children: dict[str, tuple[Counter, Counter]] = {}
+        self._pods_seen: set[str] = set()
+
+    def count_request(self, model: str, target_model: str, registered: bool, pod: str,
+                      outcome: str) -> None:
+        """Count one request's outcome; unregistered names share one label value."""
+        if not registered:
+            model = target_model = UNREGISTERED if model else ""
+        key = (model, target_model, pod, outcome)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(*key)
+        child.inc()
+
+    def count_tokens(self, model: str, registered: bool, usage: Usage) -> None:
+        """Add a response's token usage."""
+        name = model if registered else UNREGISTERED
+        children = self._token_children.get(name)
+        if children is None:
+            children = self._token_children[name] = (
+                self.tokens.labels(name, "prompt"), self.tokens.labels(name, "completion"))
+        children[0].inc(usage.prompt_tokens)
+        children[1].inc(usage.completion_tokens)
+
+    def show_pods(self, freshness: Freshness, in_flight: dict[str, int]) -> None:
+        """Refresh the per-pod gauges (members leave no stale label behind)."""
+        self.pods.labels("fresh").set(freshness.fresh)
+        self.pods.labels("stale").set(freshness.stale)
+        for pod, age in freshness.ages.items():
+            self.snapshot_age.labels(pod).set(age if math.isfinite(age) else float("nan"))
+            self.in_flight.labels(pod).set(in_flight.get(pod, 0))
+        for gone in self._pods_seen - freshness.ages.keys():
+            self.snapshot_age.remove(gone)
+            self.in_flight.remove(gone)
+        self._pods_seen = set(freshness.ages)

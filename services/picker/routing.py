@@ -1,0 +1,247 @@
+"""Deciding where one request goes: read the body, resolve the model, run the pool's policy.
+
+Pure logic (no network): :class:`Router` turns a request body into either a :class:`Routed`
+(destination, rewritten body) or a :class:`Rejected` (HTTP status and OpenAI-shaped error body).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from services.picker.scheduling import PolicyConfigError, build_policy
+from services.picker.scheduling.types import Decision, PodView, Policy, SchedulingRequest
+from services.picker.state import PodTable
+from shared.logs import RateLimitedLog
+from shared.registry_view import RegistryView
+from shared.schemas import Criticality, InferenceModel, InferencePool, PolicyConfig
+
+log = logging.getLogger("lig.picker.routing")
+
+
+class RequestFields(msgspec.Struct):
+    """The only body field the picker needs; everything else is skipped while decoding.
+
+    (Whether a response streams is read from its content-type, not from ``stream``.)
+    """
+
+    model: str | None = None
+
+
+_decode_fields = msgspec.json.Decoder(RequestFields).decode
+
+
+class Routed(msgspec.Struct, frozen=True):
+    """Send the request to ``endpoint`` (``ip:port``), with ``body`` replacing it when not None."""
+
+    pod: str
+    endpoint: str
+    model: str
+    target_model: str
+    registered: bool
+    body: bytes | None = None
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """Answer the client directly with ``status`` and the JSON error ``body``."""
+
+    status: int
+    outcome: str
+    body: bytes
+    model: str = ""
+    target_model: str = ""
+    registered: bool = False
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    code: str
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    """The OpenAI error shape: ``{"error": {"message", "type", "code"}}``."""
+    return msgspec.json.encode(_ErrorBody(_ErrorDetail(message, _ERROR_TYPES[status], code)))
+
+
+def reject(status: int, message: str, code: str, model: str = "") -> Rejected:
+    """A :class:`Rejected` whose outcome label is the status code."""
+    return Rejected(status, str(status), error_body(status, message, code), model, model)
+
+
+class ModelRoute(msgspec.Struct, frozen=True):
+    """A registered model name: its criticality and the weighted targets to draw from."""
+
+    criticality: Criticality
+    targets: tuple[str, ...]
+    cumulative: tuple[int, ...]  # running totals of the weights, for a bisect draw
+
+    @classmethod
+    def of(cls, model: InferenceModel) -> ModelRoute:
+        """Precompute the draw table of ``model`` (no targets: the name itself)."""
+        targets = model.target_models
+        if not targets:
+            return cls(model.criticality, (model.model_name,), (1,))
+        weights = [max(0, target.weight) for target in targets]
+        if sum(weights) == 0:  # all weights zero: split evenly rather than refuse
+            weights = [1] * len(weights)
+        cumulative: list[int] = []
+        total = 0
+        for weight in weights:
+            total += weight
+            cumulative.append(total)
+        return cls(model.criticality, tuple(t.name for t in targets), tuple(cumulative))
+
+    def draw(self, rng: random.Random) -> str:
+        """A target chosen with probability proportional to its weight."""
+        if len(self.targets) == 1:
+            return self.targets[0]
+        point = rng.randrange(self.cumulative[-1])
+        return self.targets[bisect.bisect_right(self.cumulative, point)]
+
+
+class Router:
+    """Routes the requests of one pool, from the registry state and the pod table."""
+
+    def __init__(self, pool: str, pods: PodTable, rng: random.Random,
+                 on_all_stale: Callable[[], None] = lambda: None) -> None:
+        self.pool_name = pool
+        self.pods = pods
+        self._rng = rng
+        self._pool: InferencePool | None = None
+        self._models: dict[str, ModelRoute] = {}
+        self._policy_config = PolicyConfig()
+        self._policy: Policy = build_policy(self._policy_config, rng)
+        self._on_all_stale = on_all_stale
+        self._all_stale_log = RateLimitedLog(log)
+        self._quoted_pool = msgspec.json.encode(pool).decode()
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in use (rebuilt when the pool's policy configuration changes)."""
+        return self._policy
+
+    def update(self, view: RegistryView) -> None:
+        """Take this pool's definition, models and endpoints from the registry view."""
+        pool = view.pools.get(self.pool_name)
+        self._pool = pool
+        self._models = {name: ModelRoute.of(model)
+                        for name, model in view.models.get(self.pool_name, {}).items()}
+        endpoint_set = view.endpoints.get(self.pool_name)
+        self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
+        config = pool.policy if pool is not None else PolicyConfig()
+        if config != self._policy_config:
+            try:
+                self._policy = build_policy(config, self._rng)
+            except PolicyConfigError as exc:
+                log.error("pool %s: invalid policy %r (%s); keeping policy %s",
+                          self.pool_name, config.name, exc, self._policy.name)
+            else:
+                log.info("pool %s: using policy %s", self.pool_name, config.name)
+            self._policy_config = config
+
+    def route(self, body: bytes) -> Routed | Rejected:
+        """Decide where a request with this JSON ``body`` goes."""
+        try:
+            fields = _decode_fields(body)
+        except msgspec.ValidationError as exc:
+            return reject(400, f"invalid request body: {exc}", "invalid_request")
+        except msgspec.DecodeError:
+            return reject(400, "request body is not valid JSON", "invalid_json")
+        requested = fields.model
+        if requested is None:
+            return reject(400, 'request body has no "model" field', "missing_model")
+        route = self._models.get(requested)
+        if route is None:
+            if self._pool is not None and self._pool.reject_unknown_models:
+                quoted = msgspec.json.encode(requested).decode()
+                return reject(404, f"model {quoted} is not served by pool {self._quoted_pool}",
+                              "model_not_found", requested)
+            target, criticality = requested, Criticality.STANDARD
+        else:
+            target, criticality = route.draw(self._rng), route.criticality
+        registered = route is not None
+        request = SchedulingRequest(requested, target, criticality)
+        pick = self._choose(request)
+        if isinstance(pick, Rejected):
+            return Rejected(pick.status, pick.outcome, pick.body, requested, target, registered)
+        new_body = rewrite_model(body, target) if target != requested else None
+        return Routed(pick.name, pick.address, requested, target, registered, new_body)
+
+    def route_bodiless(self) -> Routed | Rejected:
+        """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod."""
+        fresh = self.pods.fresh_views()
+        if fresh:
+            pick = fresh[self._rng.randrange(len(fresh))]
+            return Routed(pick.name, pick.address, "", "", False)
+        endpoints = self.pods.endpoints
+        if not endpoints:
+            return self._no_endpoint()
+        endpoint = endpoints[self._rng.randrange(len(endpoints))]
+        return Routed(endpoint.name, endpoint.hostport, "", "", False)
+
+    def _choose(self, request: SchedulingRequest) -> PodView | Rejected:
+        pods = self.pods.fresh_views()
+        if not pods:
+            return self._any_endpoint()
+        explain = log.isEnabledFor(logging.DEBUG)
+        decision = self._policy.schedule(request, pods, explain=explain)
+        if explain:
+            _log_decision(request, decision)
+        if decision.pick is not None:
+            return decision.pick
+        if decision.shed:
+            return reject(429, f"pool {self._quoted_pool} is saturated; sheddable request "
+                          "dropped", "pool_saturated")
+        return reject(503, f"no pod of pool {self._quoted_pool} can take the request",
+                      "no_ready_endpoint")
+
+    def _any_endpoint(self) -> PodView | Rejected:
+        """Every member is stale (or none reported yet): pick uniformly among the members."""
+        endpoints = self.pods.endpoints
+        if not endpoints:
+            return self._no_endpoint()
+        self._on_all_stale()
+        self._all_stale_log.warning(
+            "pool %s: no fresh metrics for any of %d pods; picking uniformly at random",
+            self.pool_name, len(endpoints))
+        endpoint = endpoints[self._rng.randrange(len(endpoints))]
+        return PodView(endpoint.name, endpoint.hostport)
+
+    def _no_endpoint(self) -> Rejected:
+        return reject(503, f"pool {self._quoted_pool} has no ready endpoint",
+                      "no_ready_endpoint")
+
+
+def rewrite_model(body: bytes, target: str) -> bytes:
+    """``body`` with its top-level ``model`` replaced by ``target`` (other fields kept in order)."""
+    document = msgspec.json.decode(body)
+    document["model"] = target
+    return msgspec.json.encode(document)
+
+
+def _log_decision(request: SchedulingRequest, decision: Decision) -> None:
+    steps: Sequence[str] = [
+        f"{step.step}: {len(step.entered)}->{len(step.kept)} [{step.branch}]"
+        for step in decision.steps
+    ]
+    log.debug("decision model=%s target=%s criticality=%s pick=%s shed=%s steps=%s",
+              request.model, request.target_model, request.criticality.value,
+              decision.pick.name if decision.pick else None, decision.shed, "; ".join(steps))

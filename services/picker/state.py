@@ -1,0 +1,148 @@
+"""What the picker knows about the pods of its pool: newest snapshot, freshness, requests in flight.
+
+Freshness is judged on this process's monotonic clock at the time a snapshot *arrived*, so clock
+skew between the collector's machine and this one cannot make every pod look stale or fresh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from services.picker.scheduling.types import PodView
+from shared.schemas import Endpoint, PodMetrics
+
+
+class _PodEntry:
+    """The newest snapshot of one pod, its arrival time and the PodView built from it."""
+
+    __slots__ = ("received_at", "snapshot", "view")
+
+    def __init__(self, snapshot: PodMetrics, received_at: float, view: PodView | None) -> None:
+        self.snapshot = snapshot
+        self.received_at = received_at
+        self.view = view  # None when the scrape failed: such a pod is never fresh
+
+
+class Freshness(msgspec.Struct, frozen=True):
+    """How many member pods are fresh and stale now, and each member's snapshot age (seconds)."""
+
+    fresh: int
+    stale: int
+    ages: dict[str, float]
+
+
+class PodTable:
+    """Member endpoints of one pool with their newest metric snapshots and in-flight counts."""
+
+    def __init__(self, stale_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_after = stale_after
+        self._clock = clock
+        self._entries: dict[str, _PodEntry] = {}
+        self._endpoints: dict[str, Endpoint] = {}
+        self._endpoint_list: tuple[Endpoint, ...] = ()
+        self._in_flight: dict[str, int] = {}
+
+    # --- registry membership -------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The pool's current members, as the registry published them."""
+        return self._endpoint_list
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Replace the members; snapshots of pods no longer members are forgotten."""
+        self._endpoint_list = tuple(endpoints)
+        self._endpoints = {endpoint.name: endpoint for endpoint in self._endpoint_list}
+        for name in [name for name in self._entries if name not in self._endpoints]:
+            del self._entries[name]
+        # A snapshot that arrived before the registry named its pod has no view yet.
+        for name, entry in self._entries.items():
+            entry.view = _view(entry.snapshot, self._endpoints[name])
+
+    # --- snapshots -----------------------------------------------------------------------
+
+    def apply(self, snapshot: PodMetrics) -> bool:
+        """Keep ``snapshot`` if it is newer than what we have; False when dropped as older.
+
+        A lower sequence number means an out-of-order delivery, unless the scrape time moved
+        forward too: then the sequence restarted (a collector restarted or took the pod over).
+        """
+        current = self._entries.get(snapshot.pod)
+        if current is not None:
+            old = current.snapshot
+            if snapshot.seq <= old.seq and snapshot.scrape_time_ns <= old.scrape_time_ns:
+                return False
+        endpoint = self._endpoints.get(snapshot.pod)
+        view = _view(snapshot, endpoint) if endpoint is not None else None
+        self._entries[snapshot.pod] = _PodEntry(snapshot, self._clock(), view)
+        return True
+
+    def has_member_snapshot(self) -> bool:
+        """True once any current member pod has a snapshot (part of readiness)."""
+        return any(name in self._endpoints for name in self._entries)
+
+    def fresh_views(self) -> list[PodView]:
+        """Member pods whose newest snapshot is recent and from a successful scrape."""
+        oldest = self._clock() - self.stale_after
+        in_flight = self._in_flight
+        views = []
+        for name in self._endpoints:
+            entry = self._entries.get(name)
+            if entry is None or entry.view is None or entry.received_at < oldest:
+                continue
+            count = in_flight.get(name)
+            views.append(msgspec.structs.replace(entry.view, in_flight=count)
+                         if count else entry.view)
+        return views
+
+    def freshness(self, wall_clock_ns: int | None = None) -> Freshness:
+        """Fresh/stale counts over members and each member's snapshot age (inf when none)."""
+        now_ns = time.time_ns() if wall_clock_ns is None else wall_clock_ns
+        oldest = self._clock() - self.stale_after
+        fresh = 0
+        ages: dict[str, float] = {}
+        for name in self._endpoints:
+            entry = self._entries.get(name)
+            if entry is None:
+                ages[name] = float("inf")
+                continue
+            ages[name] = max(0.0, (now_ns - entry.snapshot.scrape_time_ns) / 1e9)
+            if entry.view is not None and entry.received_at >= oldest:
+                fresh += 1
+        return Freshness(fresh=fresh, stale=len(self._endpoints) - fresh, ages=ages)
+
+    # --- requests in flight --------------------------------------------------------------
+
+    def started(self, pod: str) -> None:
+        """Count a request sent to ``pod`` until :meth:`finished`."""
+        self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
+
+    def finished(self, pod: str) -> None:
+        """The request to ``pod`` has ended (response done or stream closed)."""
+        count = self._in_flight.get(pod, 0) - 1
+        if count > 0:
+            self._in_flight[pod] = count
+        else:
+            self._in_flight.pop(pod, None)
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per pod (pods with none are absent)."""
+        return dict(self._in_flight)
+
+
+def _view(snapshot: PodMetrics, endpoint: Endpoint) -> PodView | None:
+    if not snapshot.ok:
+        return None
+    return PodView(
+        name=endpoint.name,
+        address=endpoint.hostport,
+        waiting=snapshot.waiting,
+        running=snapshot.running,
+        kv_cache_usage=snapshot.kv_cache_usage,
+        running_adapters=frozenset(snapshot.running_adapters),
+        waiting_adapters=frozenset(snapshot.waiting_adapters),
+        max_lora=snapshot.max_lora or 0,
+    )

@@ -1,0 +1,392 @@
+"""The picker end to end: real nats-server, real Envoy, real picker processes, real HTTP upstreams.
+
+Registry state and metric snapshots are published to NATS as the registry and collector would
+(:class:`FleetFeed`); requests go through Envoy's gateway listener. Tests that only change state
+share one stack (module scope); tests that kill or restart something build their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import msgspec
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+from services.picker.envoy_config import ext_proc_filter
+from tests.support.envoy import EnvoyProcess, start_envoy
+from tests.support.fleet_feed import FleetFeed
+from tests.support.nats_server import NatsServer
+from tests.support.picker import PickerProcess
+from tests.support.ports import free_port
+from tests.support.upstream import UpstreamServer
+from tests.support.waiting import wait_until
+
+POOL = "pool-e2e"
+HEADER = "x-gateway-destination-endpoint"
+IDLE = {"waiting": 0, "running": 1, "kv_cache_usage": 0.1}
+BUSY = {"waiting": 200, "running": 30, "kv_cache_usage": 0.95}
+
+
+class Stack:
+    """The processes of one end-to-end setup, plus helpers to drive and observe it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.nats = NatsServer(workdir / "jetstream")
+        self.upstreams: list[UpstreamServer] = []
+        self.feed: FleetFeed | None = None
+        self.pickers: list[PickerProcess] = []
+        self.envoy: EnvoyProcess | None = None
+        self.client = httpx.Client(timeout=10)
+
+    def start(self, pods: int, pickers: int, stale_after: float,
+              adjust: Callable[[dict[str, Any]], None] | None) -> Stack:
+        self.nats.start()
+        self.upstreams = [UpstreamServer(f"pod-{i}", free_port()).start() for i in range(pods)]
+        self.feed = FleetFeed(self.nats.url, POOL, interval=0.1).start()
+        self.pickers = [PickerProcess(POOL, self.nats.url, self.workdir,
+                                      stale_after=stale_after).start() for _ in range(pickers)]
+        self.reset()
+        for picker in self.pickers:
+            picker.wait_ready()
+        self.envoy = start_envoy([p.endpoint for p in self.pickers], self.workdir, adjust)
+        self.client = httpx.Client(base_url=self.envoy.url, timeout=10)
+        return self
+
+    def pod(self, index: int) -> UpstreamServer:
+        return self.upstreams[index]
+
+    def reset(self, **pool_fields: Any) -> None:
+        """Default registry state, every pod idle and reporting."""
+        assert self.feed is not None
+        self.feed.set_pool(**pool_fields)
+        self.feed.set_model("plain")
+        self.feed.set_endpoints({u.name: u.address for u in self.upstreams})
+        self.feed.set_many({u.name: (u.address, dict(IDLE)) for u in self.upstreams})
+
+    def only_qualifies(self, index: int) -> None:
+        """Make pod ``index`` the only one with a short queue."""
+        assert self.feed is not None
+        self.feed.set_many({u.name: (u.address, dict(IDLE if i == index else BUSY))
+                            for i, u in enumerate(self.upstreams)})
+
+    def post(self, body: Any = None, content: bytes | None = None,
+             headers: dict[str, str] | None = None) -> httpx.Response:
+        if content is None:
+            content = msgspec.json.encode(body if body is not None else {"model": "plain",
+                                                                         "prompt": "hi"})
+        return self.client.post("/v1/completions", content=content,
+                                headers={"content-type": "application/json", **(headers or {})})
+
+    def served_by(self, count: int = 1, **kwargs: Any) -> list[str]:
+        pods = []
+        for _ in range(count):
+            response = self.post(**kwargs)
+            assert response.status_code == 200, response.text
+            pods.append(response.headers["x-upstream"])
+        return pods
+
+    def all_fresh(self) -> bool:
+        """Every picker sees every pod's metrics as fresh (so no uniform fallback)."""
+        line = f'lig_picker_pods{{state="fresh"}} {float(len(self.upstreams))}'
+        return all(line in picker.metrics() for picker in self.pickers)
+
+    def settle(self, condition: Callable[[], bool], what: str, within: float = 10) -> None:
+        """Wait for state to propagate (NATS -> picker), then the caller asserts strictly."""
+        wait_until(condition, within=within, what=what)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.envoy is not None:
+            self.envoy.stop()
+        for picker in self.pickers:
+            picker.stop()
+        if self.feed is not None:
+            self.feed.stop()
+        for upstream in self.upstreams:
+            upstream.stop()
+        self.nats.stop()
+
+
+def build_stack(workdir: Path, pods: int = 3, pickers: int = 1, stale_after: float = 0.5,
+                adjust: Callable[[dict[str, Any]], None] | None = None) -> Stack:
+    stack = Stack(workdir)
+    try:
+        return stack.start(pods, pickers, stale_after, adjust)
+    except BaseException:
+        stack.close()
+        raise
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    built = build_stack(tmp_path_factory.mktemp("picker-e2e"))
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+@pytest.fixture
+def shared(stack: Stack) -> Stack:
+    """The module's stack reset to its default state for one test."""
+    stack.reset()
+    stack.settle(lambda: stack.post().status_code == 200, "default state served")
+    return stack
+
+
+def test_request_reaches_the_pod_the_policy_must_choose(shared: Stack) -> None:
+    shared.only_qualifies(1)
+    shared.settle(lambda: shared.served_by()[0] == "pod-1", "pod-1 chosen")
+    assert set(shared.served_by(20)) == {"pod-1"}
+    shared.only_qualifies(2)
+    shared.settle(lambda: shared.served_by()[0] == "pod-2", "pod-2 chosen")
+    assert set(shared.served_by(20)) == {"pod-2"}
+    assert shared.pod(2).received[-1].headers[HEADER] == shared.pod(2).address
+
+
+def test_weighted_target_rewrites_the_body_and_the_response_model_back(shared: Stack) -> None:
+    shared.feed.set_model("chat", target_models=[{"name": "chat-a", "weight": 1},
+                                                 {"name": "chat-b", "weight": 3}])
+    shared.settle(lambda: _model_arrived(shared, {"model": "chat"}) != "chat", "chat resolved")
+    for upstream in shared.upstreams:
+        upstream.received.clear()
+    for _ in range(40):
+        response = shared.post({"model": "chat", "prompt": "hello", "max_tokens": 3})
+        assert response.status_code == 200
+        assert response.json()["model"] == "chat"
+        assert int(response.headers["content-length"]) == len(response.content)
+    arrived = [r for u in shared.upstreams for r in u.received]
+    assert len(arrived) == 40
+    models = [msgspec.json.decode(r.body)["model"] for r in arrived]
+    assert set(models) == {"chat-a", "chat-b"}
+    assert models.count("chat-b") > models.count("chat-a")
+    for request in arrived:
+        assert int(request.headers["content-length"]) == len(request.body)
+        assert msgspec.json.decode(request.body)["max_tokens"] == 3
+
+    with shared.client.stream("POST", "/v1/completions",
+                              json={"model": "chat", "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data: {")]
+    assert [msgspec.json.decode(e[6:])["model"] for e in events] == ["chat"] * 3
+    shared.settle(lambda: 'lig_picker_tokens_total{kind="completion",model="chat"}'
+                  in shared.pickers[0].metrics(), "token usage counted")
+
+
+def _model_arrived(stack: Stack, body: dict[str, Any]) -> str:
+    """Send ``body``; the ``model`` the serving upstream received."""
+    response = stack.post(body)
+    assert response.status_code == 200, response.text
+    upstream = next(u for u in stack.upstreams if u.name == response.headers["x-upstream"])
+    return msgspec.json.decode(upstream.received[-1].body)["model"]
+
+
+def _error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "code"} and error["code"] == code
+
+
+def test_client_errors_and_unavailability_answer_in_openai_shape(shared: Stack) -> None:
+    _error(shared.post(content=b"{not json"), 400, "invalid_json")
+    _error(shared.post({"prompt": "no model"}), 400, "missing_model")
+
+    shared.feed.set_pool(reject_unknown_models=True)
+    shared.settle(lambda: shared.post({"model": "unknown"}).status_code == 404, "404 enabled")
+    _error(shared.post({"model": "unknown"}), 404, "model_not_found")
+
+    shared.feed.set_model("batch", criticality="Sheddable")
+    shared.feed.set_many({u.name: (u.address, dict(BUSY)) for u in shared.upstreams})
+    shared.settle(lambda: shared.post({"model": "batch"}).status_code == 429, "shedding")
+    response = shared.post({"model": "batch"})
+    _error(response, 429, "pool_saturated")
+    assert response.headers["retry-after"] == "1"
+    assert shared.post({"model": "plain"}).status_code == 200  # not sheddable: still served
+
+    shared.feed.set_endpoints({})
+    shared.settle(lambda: shared.post().status_code == 503, "no endpoints")
+    _error(shared.post(), 503, "no_ready_endpoint")
+    metrics = shared.pickers[0].metrics()
+    for outcome in ("400", "404", "429", "503", "routed"):
+        assert f'outcome="{outcome}"' in metrics
+
+
+def test_spoofed_destination_header_is_overwritten(shared: Stack) -> None:
+    shared.only_qualifies(1)
+    shared.settle(lambda: shared.served_by()[0] == "pod-1", "pod-1 chosen")
+    for spoof in (shared.pod(0).address, "127.0.0.1:9"):  # another member; nothing at all
+        assert set(shared.served_by(5, headers={HEADER: spoof})) == {"pod-1"}
+    assert shared.pod(1).received[-1].headers[HEADER] == shared.pod(1).address
+    response = shared.client.get("/v1/models", headers={HEADER: "127.0.0.1:9"})
+    assert response.status_code == 200
+    assert response.headers["x-upstream"] in {u.name for u in shared.upstreams}
+
+
+def test_stale_snapshots_stop_a_pod_from_being_chosen(shared: Stack) -> None:
+    shared.only_qualifies(0)
+    shared.settle(lambda: shared.served_by()[0] == "pod-0", "pod-0 chosen")
+    assert set(shared.served_by(10)) == {"pod-0"}
+    shared.feed.pause("pod-0")  # its last snapshot (still the best) goes stale after 0.5 s
+    shared.settle(lambda: shared.served_by()[0] != "pod-0", "pod-0 dropped")
+    assert "pod-0" not in shared.served_by(20)
+
+
+def test_bodiless_request_goes_to_a_pod_of_the_pool(shared: Stack) -> None:
+    response = shared.client.get("/v1/models")
+    assert response.status_code == 200
+    assert response.json()["data"][0]["id"] == f"served-by-{response.headers['x-upstream']}"
+
+
+@pytest.mark.parametrize("without_waiting", [True, False],
+                         ids=["chunks-accumulated", "switched-to-buffered"])
+def test_streamed_request_body_is_routed_on_the_whole_body(
+        stack: Stack, envoy_gateway: Callable[..., EnvoyProcess], without_waiting: bool) -> None:
+    def streamed(config: dict[str, Any]) -> None:
+        ext_proc = ext_proc_filter(config)
+        ext_proc["processing_mode"]["request_body_mode"] = "STREAMED"
+        ext_proc["processing_mode"]["response_body_mode"] = "STREAMED"
+        ext_proc["send_body_without_waiting_for_header_response"] = without_waiting
+
+    stack.reset()
+    stack.feed.set_model("chat", target_models=[{"name": "chat-long-target-name", "weight": 1}])
+    stack.only_qualifies(2)
+    envoy = envoy_gateway([p.endpoint for p in stack.pickers], streamed)
+    prompt = "y" * 300_000
+
+    def slow_body() -> Iterator[bytes]:
+        yield b'{"model": "chat", "prompt": "'
+        for start in range(0, len(prompt), 60_000):
+            time.sleep(0.02)
+            yield prompt[start : start + 60_000].encode()
+        yield b'"}'
+
+    with httpx.Client(base_url=envoy.url, timeout=10) as client:
+        stack.settle(lambda: client.post("/v1/completions", json={"model": "chat"})
+                     .headers.get("x-upstream") == "pod-2", "pod-2 chosen")
+        response = client.post("/v1/completions", content=slow_body())
+    assert response.status_code == 200, response.text
+    assert response.headers["x-upstream"] == "pod-2"
+    assert response.json()["model"] == "chat"
+    arrived = stack.pod(2).received[-1]
+    assert msgspec.json.decode(arrived.body) == {"model": "chat-long-target-name",
+                                                 "prompt": prompt}
+
+
+def test_a_killed_picker_is_survived_by_the_other_replica(tmp_path: Path) -> None:
+    stack = build_stack(tmp_path, pods=2, pickers=2)
+    try:
+        assert len(stack.served_by(10)) == 10
+        stack.pickers[0].signal(signal.SIGKILL)
+        stack.pickers[0].wait(5)
+        killed = time.monotonic()
+        last_failure = killed
+        consecutive = 0
+        while consecutive < 30:  # Envoy ejects the dead replica; the survivor takes over
+            assert time.monotonic() - killed < 15, "no recovery"
+            if stack.post().status_code == 200:
+                consecutive += 1
+            else:
+                last_failure, consecutive = time.monotonic(), 0
+        assert last_failure - killed < 3.0, f"failing for {last_failure - killed:.1f}s"
+        assert 'outcome="routed"' in stack.pickers[1].metrics()
+    finally:
+        stack.close()
+
+
+def test_nats_outage_is_served_from_last_state_and_new_metrics_count_within_2s(
+        tmp_path: Path) -> None:
+    stack = build_stack(tmp_path, pods=2)
+    try:
+        stack.only_qualifies(0)
+        stack.settle(lambda: stack.served_by()[0] == "pod-0", "pod-0 chosen")
+        stack.nats.stop()
+        assert len(stack.served_by(10)) == 10  # still routing while NATS is away
+        stack.nats.start()
+        stack.only_qualifies(1)
+        published = time.monotonic()
+        # Ten in a row: the uniform all-stale fallback cannot fake that (2**-10).
+        stack.settle(lambda: stack.all_fresh() and set(stack.served_by(10)) == {"pod-1"},
+                     "pod-1 chosen", within=2.0)
+        honoured = time.monotonic() - published
+        assert set(stack.served_by(10)) == {"pod-1"}
+        # The registry watch was rebuilt after the reconnect: a new model takes effect.
+        stack.feed.set_pool(reject_unknown_models=True)
+        stack.settle(lambda: stack.post({"model": "unknown"}).status_code == 404,
+                     "registry change after restart", within=5)
+        assert honoured < 2.0
+    finally:
+        stack.close()
+
+
+async def test_sigterm_stops_the_picker_within_2s(
+        nats_server: NatsServer, picker_process: Callable[..., PickerProcess]) -> None:
+    feed = FleetFeed(nats_server.url, POOL).start()
+    picker = picker_process(POOL, nats_server.url)
+    try:
+        feed.set_pool()
+        feed.set_endpoints({"pod-0": "127.0.0.1:9"})
+        feed.set_metrics("pod-0", "127.0.0.1:9", **IDLE)
+        await asyncio.to_thread(picker.wait_ready)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+            call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders()))
+            assert (await call.read()).HasField("request_headers")  # a request in flight
+            started = time.monotonic()
+            picker.signal(signal.SIGTERM)
+            code = await asyncio.to_thread(picker.wait, 5)
+            elapsed = time.monotonic() - started
+        assert code == 0
+        assert elapsed < 2.0, f"took {elapsed:.2f}s"
+        assert "picker stopping" in picker.log()
+    finally:
+        feed.stop()
+
+
+def test_workers_share_the_ports_and_stop_together(
+        nats_server: NatsServer, picker_process: Callable[..., PickerProcess]) -> None:
+    feed = FleetFeed(nats_server.url, POOL).start()
+    try:
+        feed.set_pool()
+        feed.set_endpoints({"pod-0": "127.0.0.1:9"})
+        feed.set_metrics("pod-0", "127.0.0.1:9", **IDLE)
+        picker = picker_process(POOL, nats_server.url, extra_args=("--workers", "2"))
+        picker.wait_ready()
+        children = Path(f"/proc/{picker.pid}/task/{picker.pid}/children").read_text().split()
+        assert len(children) >= 2  # the workers (and multiprocessing's resource tracker)
+        for _ in range(8):  # separate connections: the kernel spreads them over the workers
+            with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+                stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+                (answer,) = list(stub.Process(iter([pb.ProcessingRequest(
+                    request_headers=pb.HttpHeaders(end_of_stream=True))]), timeout=5))
+                assert answer.request_headers.response.header_mutation.set_headers[
+                    0].header.raw_value == b"127.0.0.1:9"
+        metrics = picker.metrics()  # served by the supervisor, summed over the workers
+        assert ('lig_picker_requests_total{model="",outcome="routed",pod="pod-0",'
+                'target_model=""} 8.0') in metrics
+        started = time.monotonic()
+        picker.signal(signal.SIGTERM)
+        assert picker.wait(5) == 0
+        assert time.monotonic() - started < 2.0
+        wait_until(lambda: not any(_running(pid) for pid in children), within=2,
+                   what="workers gone")
+    finally:
+        feed.stop()
+
+
+def _running(pid: str) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

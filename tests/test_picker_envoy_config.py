@@ -1,0 +1,60 @@
+"""The shipped Envoy bootstrap and its rendering, checked by Envoy itself (``--mode validate``)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.picker.envoy_config import (
+    TEMPLATE,
+    PickerEndpoint,
+    envoy_config,
+    ext_proc_filter,
+    render_envoy_config,
+)
+from tests.support.envoy import envoy_binary
+
+
+def validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path),
+                           "--disable-hot-restart", "--log-level", "error"],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_shipped_bootstrap_is_valid_and_keeps_the_contract() -> None:
+    result = validate(TEMPLATE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load(TEMPLATE.read_text())
+    ext_proc = ext_proc_filter(config)
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["allow_mode_override"] is True
+    assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
+    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ext_proc["message_timeout"].endswith("s")
+    gateway = config["static_resources"]["listeners"][0]
+    assert gateway["per_connection_buffer_limit_bytes"] > 1 << 20
+
+
+def test_rendered_bootstrap_lists_every_picker_and_validates(tmp_path: Path) -> None:
+    text = render_envoy_config(
+        listener_port=18080, admin_port=19901, destination_header="x-pick",
+        pickers=[PickerEndpoint("127.0.0.1", 19002, 19003), ("localhost", 19102, 19103)])
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load(text)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    endpoints = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [(e["endpoint"]["address"]["socket_address"]["port_value"],
+             e["endpoint"]["health_check_config"]["port_value"]) for e in endpoints] == [
+        (19002, 19003), (19102, 19103)]
+    assert clusters["model_servers"]["original_dst_lb_config"]["http_header_name"] == "x-pick"
+
+
+def test_at_least_one_picker_is_required() -> None:
+    with pytest.raises(ValueError):
+        envoy_config(listener_port=1, admin_port=2, pickers=[])

