@@ -113,3 +113,17 @@ def test_snapshot_sink_counts_bad_payloads(table: PodTable) -> None:
     sink.accept("lig.metrics.p.pod-a", encode(snapshot("pod-a", 1)))
     assert (len(bad), len(late)) == (3, 1)
     assert [v.name for v in table.fresh_views()] == ["pod-a"]
+
+
+def test_pod_without_lora_info_gets_the_pools_reported_capacity(table: PodTable) -> None:
+    table.apply(snapshot("pod-a", 1, max_lora=4, running_adapters=("sql",)))
+    table.apply(snapshot("pod-b", 1))  # idle vLLM: no lora_requests_info series yet
+    views = {view.name: view for view in table.fresh_views()}
+    assert views["pod-b"].max_lora == 4
+    assert views["pod-a"].max_lora == 4
+
+
+def test_pool_without_lora_keeps_zero_capacity(table: PodTable) -> None:
+    table.apply(snapshot("pod-a", 1))
+    table.apply(snapshot("pod-b", 1, max_lora=0))
+    assert [view.max_lora for view in table.fresh_views()] == [0, 0]

@@ -27,7 +27,6 @@ import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lig import local_registry
 from lig.status import PICKER_REQUESTS_FAMILY
 from lig.topology import StackInfo, ports_in_use
 from shared.schemas import DecodeError, PodMetrics, decode
@@ -96,7 +95,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         while not running.ready.wait(0.2):
             assert process.poll() is None, f"lig up exited early:\n{running.output()}"
             assert time.monotonic() < deadline, f"lig up not ready in 50s:\n{running.output()}"
-        asyncio.run(announce_adapter_slots(running))
         yield running
     finally:
         if process.poll() is None:
@@ -133,25 +131,6 @@ async def snapshots_of(stack: RunningStack):  # type: ignore[no-untyped-def]
         yield snapshots
     finally:
         await nc.close()
-
-
-async def announce_adapter_slots(stack: RunningStack) -> None:
-    """Send one adapter request straight to each simulated pod, until all report ``max_lora``.
-
-    A pod's ``max_lora`` comes from ``vllm:lora_requests_info``, which the simulator (like vLLM)
-    publishes only after its first step with an adapter; until then the picker reads 0 free
-    adapter slots and the filter tree's can-accept-LoRA step never offers that pod to Critical
-    or Standard requests. The test routes real traffic, so it starts from pods that have run.
-    """
-    config = local_registry.load_config(stack.state_dir / "registry")
-    pods = local_registry.pool_endpoints(config, stack.info.pool)
-    async with httpx.AsyncClient(timeout=30) as client, snapshots_of(stack) as snapshots:
-        for pod in pods:
-            response = await client.post(f"http://{pod.hostport}/v1/completions",
-                                         json=completion(SHEDDABLE, 0, max_tokens=1))
-            assert response.status_code == 200, response.text
-        await eventually(lambda: len(snapshots.latest) == len(pods) and all(
-            s.max_lora for s in snapshots.latest.values()), within=10, what="max_lora known")
 
 
 async def routed_by_target_and_pod(client: httpx.AsyncClient, stack: RunningStack

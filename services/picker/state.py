@@ -2,6 +2,11 @@
 
 Freshness is judged on this process's monotonic clock at the time a snapshot *arrived*, so clock
 skew between the collector's machine and this one cannot make every pod look stale or fresh.
+
+vLLM publishes ``vllm:lora_requests_info`` (hence ``max_lora``) only once it has run a step, so
+an idle pod that never served a request reports no LoRA capacity. Read as 0 slots, the filter
+tree would never offer such a pod to adapter requests; instead it is assumed to have the largest
+capacity any pod of the pool has reported (a pool runs one vLLM configuration).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class PodTable:
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_list: tuple[Endpoint, ...] = ()
         self._in_flight: dict[str, int] = {}
+        self._max_lora_seen = 0
 
     # --- registry membership -------------------------------------------------------------
 
@@ -77,6 +83,8 @@ class PodTable:
                 return False
         endpoint = self._endpoints.get(snapshot.pod)
         view = _view(snapshot, endpoint) if endpoint is not None else None
+        if snapshot.max_lora is not None and snapshot.max_lora > self._max_lora_seen:
+            self._max_lora_seen = snapshot.max_lora
         self._entries[snapshot.pod] = _PodEntry(snapshot, self._clock(), view)
         return True
 
@@ -88,14 +96,19 @@ class PodTable:
         """Member pods whose newest snapshot is recent and from a successful scrape."""
         oldest = self._clock() - self.stale_after
         in_flight = self._in_flight
+        max_lora_seen = self._max_lora_seen
         views = []
         for name in self._endpoints:
             entry = self._entries.get(name)
             if entry is None or entry.view is None or entry.received_at < oldest:
                 continue
+            view = entry.view
             count = in_flight.get(name)
-            views.append(msgspec.structs.replace(entry.view, in_flight=count)
-                         if count else entry.view)
+            if count:
+                view = msgspec.structs.replace(view, in_flight=count)
+            if entry.snapshot.max_lora is None and max_lora_seen:
+                view = msgspec.structs.replace(view, max_lora=max_lora_seen)
+            views.append(view)
         return views
 
     def freshness(self, wall_clock_ns: int | None = None) -> Freshness:
