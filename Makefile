@@ -22,8 +22,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Every speed benchmark in bench/, one after the other (several minutes; see bench/README.md).
 bench: $(STAMP)
-	$(BIN)/python -m bench
+	for script in bench/bench_*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) .lig .pytest_cache build *.egg-info
