@@ -22,12 +22,13 @@ import msgspec
 
 from scheduling_bench import report
 from scheduling_bench.results import RunMetrics
-from scheduling_bench.runner import Point, engine_config, run_points
+from scheduling_bench.runner import Point, engine_config, parse_policy, run_points
 from scheduling_bench.workloads import WORKLOADS
 from shared.schemas import PolicyConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 
-POLICIES = ("round-robin", "random", "least-queue", "filter-tree")
+# filter-tree+raw: the same tree without the pickers' load estimate (upstream's behaviour).
+POLICIES = ("round-robin", "random", "least-queue", "filter-tree", "filter-tree+raw")
 DURATION = 30.0
 SEED = 1
 
@@ -45,7 +46,7 @@ RATES: dict[str, tuple[float, ...]] = {
 # under several scrape intervals, and with picker replicas that each count only their own
 # requests in flight.
 FRESHNESS_RATE = 180.0
-FRESHNESS_POLICIES = ("round-robin", "least-queue", "filter-tree")
+FRESHNESS_POLICIES = ("round-robin", "least-queue", "filter-tree", "filter-tree+raw")
 FRESHNESS_VARIANTS = ((0.01, 1), (0.05, 1), (0.2, 1), (0.05, 4))  # (scrape interval, pickers)
 
 
@@ -58,11 +59,13 @@ def points(trace: str) -> list[Point]:
         if name == "trace":
             workload = msgspec.structs.replace(workload, trace=trace)
         for rate in rates:
-            for policy in POLICIES:
+            for label in POLICIES:
+                policy, load_estimate = parse_policy(label)
                 result.append(
                     Point(
                         workload=workload,
-                        policy=PolicyConfig(name=policy),
+                        policy=policy,
+                        load_estimate=load_estimate,
                         rate=rate,
                         duration=DURATION,
                         seed=SEED,
@@ -77,7 +80,8 @@ def freshness_points() -> list[Point]:
     return [
         Point(
             workload=WORKLOADS["chat"],
-            policy=PolicyConfig(name=policy),
+            policy=policy,
+            load_estimate=load_estimate,
             rate=FRESHNESS_RATE,
             duration=DURATION,
             seed=SEED,
@@ -85,7 +89,7 @@ def freshness_points() -> list[Point]:
             scrape_interval=interval,
         )
         for interval, pickers in FRESHNESS_VARIANTS
-        for policy in FRESHNESS_POLICIES
+        for policy, load_estimate in map(parse_policy, FRESHNESS_POLICIES)
     ]
 
 
@@ -165,7 +169,10 @@ def _setup_block(command: Sequence[str]) -> str:
         f"{point.scrape_interval * 1000:g} ms and seen by the picker "
         f"{point.propagation_delay * 1000:g} ms later.",
         f"- Each point: {DURATION:g} s of arrivals (seed {SEED}), run until every request ended; "
-        f"policies {', '.join(POLICIES)} with default parameters.",
+        f"policies {', '.join(POLICIES)} with default parameters. The picker's load "
+        "estimate is on (the requests it sent to a pod since that pod's newest snapshot, beyond "
+        "the least-served pod's, count as waiting; `services/picker/load_estimate.py`), except "
+        "for names ending in `+raw` (`lig picker --no-load-estimate`, as upstream).",
         f"- Simulator profile `{profile.name}`: step = {profile.b0 * 1e3:g} ms + "
         f"{profile.b1 * 1e6:g} µs/prefill token + {profile.b2 * 1e6:g} µs/decode token + "
         f"{profile.b3 * 1e9:g} ns/context token; {profile.num_gpu_blocks} KV blocks of "

@@ -12,6 +12,9 @@ What is modelled, and how it maps to production:
   counts: +1 when it sends a request to a pod, -1 when the response ends, as the picker's
   ``PodTable`` does. Requests are spread over replicas uniformly at random (Envoy balancing
   its ext_proc streams).
+- Unless ``load_estimate`` is off, each replica also counts the requests it sent to a pod since
+  that pod's newest snapshot arrived, in the pod's ``waiting`` (``services/picker/load_estimate``,
+  the same code as ``lig picker``; off is ``lig picker --no-load-estimate``).
 - A decision costs no virtual time, and a chosen request reaches its pod at once.
 
 Events at the same instant run in this order: steps that end, scrapes, snapshot deliveries,
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 import msgspec
 
 from scheduling_bench.workloads import BenchRequest
+from services.picker.load_estimate import UnreportedLoad, picker_views
 from services.picker.scheduling import PodView, Policy, build_policy
 from shared.schemas import PolicyConfig
 from simulator.engine import Engine, EngineConfig, EngineCounters, Request, RequestRejected
@@ -46,6 +50,9 @@ class FleetConfig(msgspec.Struct, frozen=True):
     """Seconds between two scrapes of a pod (``lig collector --interval``)."""
     propagation_delay: float = 0.005
     """Seconds from a scrape's start until the pickers have its snapshot."""
+    load_estimate: bool = True
+    """Pickers count the requests their pods have not reported yet as waiting (see
+    ``services/picker/load_estimate.py``)."""
     engine: EngineConfig = EngineConfig()
 
 
@@ -83,19 +90,25 @@ class FleetRun:
 
 
 class PickerReplica:
-    """One picker: a policy instance and the in-flight counts of the requests it routed."""
+    """One picker: a policy instance, and in-flight counts and unreported load of its requests."""
 
-    def __init__(self, policy: Policy, pods: int) -> None:
+    def __init__(self, policy: Policy, load_estimate: bool) -> None:
         self.policy = policy
-        self.in_flight = [0] * pods
+        self.in_flight: dict[str, int] = {}
+        self.unreported = UnreportedLoad(load_estimate)
+
+    def sent(self, pod: str) -> None:
+        """A request went to ``pod`` (``PodTable.started``)."""
+        self.in_flight[pod] = self.in_flight.get(pod, 0) + 1
+        self.unreported.routed(pod)
+
+    def ended(self, pod: str) -> None:
+        """A request to ``pod`` finished (``PodTable.finished``)."""
+        self.in_flight[pod] -= 1
 
     def views(self, snapshots: list[PodView]) -> list[PodView]:
-        """The pod views this replica's policy sees: the snapshots plus its in-flight counts."""
-        replace = msgspec.structs.replace
-        return [
-            replace(view, in_flight=count) if count else view
-            for view, count in zip(snapshots, self.in_flight, strict=True)
-        ]
+        """The pod views this replica's policy sees, as ``PodTable.fresh_views`` builds them."""
+        return picker_views(snapshots, self.in_flight, self.unreported.counts)
 
 
 def simulate(
@@ -129,7 +142,8 @@ class _Simulation:
         self.index = {name: pod for pod, name in enumerate(self.names)}
         self.pickers = [
             PickerReplica(
-                build_policy(policy, random.Random(f"policy/{seed}/{replica}")), config.pods
+                build_policy(policy, random.Random(f"policy/{seed}/{replica}")),
+                config.load_estimate,
             )
             for replica in range(config.pickers)
         ]
@@ -184,7 +198,7 @@ class _Simulation:
                 busy[pod] = False
                 dirty[pod] = True
                 for request in result.finished:
-                    owner.pop(id(request)).in_flight[pod] -= 1
+                    owner.pop(id(request)).ended(self.names[pod])
                 kicked.append(pod)
             while scrapes[0][0] <= now:
                 when, pod = scrapes[0]
@@ -196,6 +210,8 @@ class _Simulation:
             while deliveries and deliveries[0][0] <= now:
                 _, pod, view = deliveries.popleft()
                 delivered[pod] = view
+                for picker in pickers:
+                    picker.unreported.reported(view.name)
             while position < count and requests[position].time <= now:
                 bench_request = requests[position]
                 position += 1
@@ -215,7 +231,7 @@ class _Simulation:
                 outcomes.append(Outcome.COMPLETED)
                 records.append(request)
                 owner[id(request)] = picker
-                picker.in_flight[pod] += 1
+                picker.sent(decision.pick.name)
                 dirty[pod] = True
                 kicked.append(pod)
             for pod in kicked:

@@ -20,10 +20,9 @@ from pathlib import Path
 import msgspec
 
 from scheduling_bench import default_sweep, report
-from scheduling_bench.runner import Point, run_points
+from scheduling_bench.runner import RAW_SUFFIX, Point, parse_policy, run_points
 from scheduling_bench.workloads import WORKLOADS, TraceError, Workload, read_trace
 from services.picker.scheduling import PolicyConfigError, build_policy, policy_names
-from shared.schemas import PolicyConfig
 from simulator.profiles import DEFAULT_PROFILE, load_profile
 
 TRACE_HELP = (
@@ -66,7 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=",".join(default_sweep.POLICIES),
-        help=f"comma-separated policy names (known: {', '.join(policy_names())})",
+        help=f"comma-separated policy names (known: {', '.join(policy_names())}); a name "
+        f"ending in {RAW_SUFFIX} runs without the pickers' load estimate, on the scraped "
+        "metrics alone (lig picker --no-load-estimate, as upstream)",
     )
     parser.add_argument("--rates", default="100,200,300", help="comma-separated requests/s")
     parser.add_argument("--pods", type=int, default=8, help="simulated vLLM pods")
@@ -118,9 +119,10 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace) -> int:
     workload = _workload(args)
-    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
-    for name in policies:  # fail on a bad name before any run starts
-        build_policy(PolicyConfig(name=name), random.Random(0))
+    labels = [name.strip() for name in args.policies.split(",") if name.strip()]
+    policies = [parse_policy(label) for label in labels]
+    for policy, _ in policies:  # fail on a bad name before any run starts
+        build_policy(policy, random.Random(0))
     rates = _numbers(args.rates, "--rates")
     if args.pods < 1 or args.pickers < 1 or args.duration <= 0 or args.jobs < 1:
         raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
@@ -130,7 +132,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
     points = [
         Point(
             workload=workload,
-            policy=PolicyConfig(name=policy),
+            policy=policy,
+            load_estimate=load_estimate,
             rate=rate,
             duration=args.duration,
             seed=args.seed,
@@ -141,7 +144,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
             profile=profile,
         )
         for rate in rates
-        for policy in policies
+        for policy, load_estimate in policies
     ]
     results = run_points(points, jobs=args.jobs)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,10 @@ from shared.schemas import PolicyConfig
 from simulator.engine import EngineConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES, Profile
 
+RAW_SUFFIX = "+raw"
+"""A policy name ending in this runs without the pickers' load estimate, on the scraped metrics
+alone (``lig picker --no-load-estimate``, upstream's behaviour): ``filter-tree+raw``."""
+
 
 class Point(msgspec.Struct, frozen=True):
     """One run: a workload at a rate for a duration, through a fleet under one policy."""
@@ -33,6 +37,18 @@ class Point(msgspec.Struct, frozen=True):
     scrape_interval: float = 0.05
     propagation_delay: float = 0.005
     profile: Profile = PROFILES[DEFAULT_PROFILE]
+    load_estimate: bool = True
+
+    @property
+    def label(self) -> str:
+        """The policy as results name it: its name, with ``+raw`` when the estimate is off."""
+        return self.policy.name + ("" if self.load_estimate else RAW_SUFFIX)
+
+
+def parse_policy(label: str) -> tuple[PolicyConfig, bool]:
+    """``filter-tree`` -> (its default config, estimate on); ``filter-tree+raw`` -> off."""
+    name = label.removesuffix(RAW_SUFFIX)
+    return PolicyConfig(name=name), name == label
 
 
 def engine_config(workload: Workload, profile: Profile) -> EngineConfig:
@@ -54,13 +70,14 @@ def run_point(point: Point) -> RunMetrics:
         pickers=point.pickers,
         scrape_interval=point.scrape_interval,
         propagation_delay=point.propagation_delay,
+        load_estimate=point.load_estimate,
         engine=engine_config(point.workload, point.profile),
     )
     run = simulate(requests, point.policy, config, point.seed)
     return summarize(
         run,
         workload=point.workload.name,
-        policy=point.policy.name,
+        policy=point.label,
         rate=point.rate,
         duration=point.duration,
         pickers=point.pickers,

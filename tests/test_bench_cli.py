@@ -8,21 +8,23 @@ import msgspec
 import pytest
 
 from lig.cli import main
-from scheduling_bench.default_sweep import RATES, points, replace_blocks
+from scheduling_bench.default_sweep import POLICIES, RATES, points, replace_blocks
 from scheduling_bench.results import RunMetrics
 
 
 def test_small_sweep_writes_results_table_and_plot(tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     code = main([
-        "bench", "--workload", "mixed-criticality", "--policies", "round-robin,filter-tree",
+        "bench", "--workload", "mixed-criticality",
+        "--policies", "round-robin,filter-tree,filter-tree+raw",
         "--rates", "40,450", "--duration", "2", "--pickers", "2", "--jobs", "1",
         "--out", str(out),
     ])
     assert code == 0
     results = msgspec.json.decode((out / "results.json").read_bytes(), type=list[RunMetrics])
     assert [(r.rate, r.policy) for r in results] == [
-        (40, "round-robin"), (40, "filter-tree"), (450, "round-robin"), (450, "filter-tree"),
+        (40, "round-robin"), (40, "filter-tree"), (40, "filter-tree+raw"),
+        (450, "round-robin"), (450, "filter-tree"), (450, "filter-tree+raw"),
     ]
     assert all(r.pods == 8 and r.pickers == 2 and r.workload == "mixed-criticality"
                for r in results)
@@ -50,6 +52,7 @@ def test_workload_flags_override_the_preset(tmp_path: Path) -> None:
     ("flags", "message"),
     [
         (["--policies", "fastest"], "unknown policy 'fastest'"),
+        (["--policies", "fastest+raw"], "unknown policy 'fastest'"),
         (["--rates", "10,fast"], "--rates: expected comma-separated numbers"),
         (["--rates", "0"], "--rates: expected positive numbers"),
         (["--workload", "trace"], "--workload trace needs --trace PATH"),
@@ -89,4 +92,7 @@ def test_default_sweep_covers_every_workload_policy_and_rate() -> None:
     assert {p.workload.name for p in sweep} == set(RATES)
     assert all(p.pods == 8 for p in sweep)
     assert {p.workload.trace for p in sweep if p.workload.name == "trace"} == {"conv.csv"}
-    assert len(sweep) == sum(len(rates) for rates in RATES.values()) * 4
+    assert len(sweep) == sum(len(rates) for rates in RATES.values()) * len(POLICIES)
+    # Our default (with the pickers' load estimate) beside the upstream-faithful tree.
+    assert {(p.label, p.load_estimate) for p in sweep if p.policy.name == "filter-tree"} == {
+        ("filter-tree", True), ("filter-tree+raw", False)}

@@ -117,6 +117,17 @@ def test_multi_lora_filter_tree_loads_adapters_less_often_than_round_robin() -> 
     assert 0 < tree.adapter_loads < round_robin.adapter_loads / 2
 
 
+def test_the_load_estimate_stops_the_filter_tree_herding_on_chat_traffic() -> None:
+    """Moderate chat load: without the estimate every request of a scrape interval goes to the
+    pods with the lowest snapshot KV usage; with it they spread as the queues would."""
+    corrected = run_point(point("chat", "filter-tree", 180, 4))
+    raw = run_point(point("chat", "filter-tree", 180, 4, load_estimate=False))
+    assert corrected.policy == "filter-tree" and raw.policy == "filter-tree+raw"
+    assert corrected.completed == raw.completed == corrected.requests > 600
+    assert corrected.ttft.p90 is not None and raw.ttft.p90 is not None
+    assert corrected.ttft.p90 < 0.5 * raw.ttft.p90
+
+
 def test_percentile_interpolates_like_numpy() -> None:
     values = [1.0, 2.0, 3.0, 4.0]
     assert percentile(values, 0.5) == 2.5

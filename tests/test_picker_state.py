@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import msgspec
 import pytest
 
 from services.picker.metrics_feed import SnapshotSink
+from services.picker.scheduling import SchedulingRequest, build_policy
 from services.picker.state import PodTable
-from shared.schemas import Endpoint, PodMetrics, encode
+from shared.schemas import Endpoint, PodMetrics, PolicyConfig, encode
 
 ENDPOINTS = [Endpoint("pod-a", "10.0.0.1", 8000), Endpoint("pod-b", "10.0.0.2", 8000)]
 
@@ -71,6 +75,14 @@ def test_snapshot_goes_stale_after_the_limit(table: PodTable, clock: FakeClock) 
     assert (freshness.fresh, freshness.stale) == (1, 1)
 
 
+def test_stale_pods_with_requests_in_flight_give_no_views(table: PodTable,
+                                                          clock: FakeClock) -> None:
+    table.apply(snapshot("pod-a", 1))
+    table.started("pod-a")
+    clock.now += 2.0
+    assert table.fresh_views() == []
+
+
 def test_failed_scrape_is_not_fresh(table: PodTable) -> None:
     table.apply(snapshot("pod-a", 1, waiting=0))
     table.apply(snapshot("pod-a", 2, ok=False))
@@ -127,3 +139,76 @@ def test_pool_without_lora_keeps_zero_capacity(table: PodTable) -> None:
     table.apply(snapshot("pod-a", 1))
     table.apply(snapshot("pod-b", 1, max_lora=0))
     assert [view.max_lora for view in table.fresh_views()] == [0, 0]
+
+
+def test_requests_sent_since_the_newest_snapshot_are_added_to_waiting(table: PodTable) -> None:
+    table.apply(snapshot("pod-a", 1, waiting=2))
+    table.apply(snapshot("pod-b", 1, waiting=2))
+    table.started("pod-a")
+    table.started("pod-a")
+    table.finished("pod-a")  # ended or not, it is not in the snapshot yet
+    views = {view.name: view for view in table.fresh_views()}
+    assert (views["pod-a"].waiting, views["pod-a"].in_flight) == (4, 1)
+    assert (views["pod-b"].waiting, views["pod-b"].in_flight) == (2, 0)
+
+
+def test_only_requests_beyond_the_least_served_pod_count_as_queue(table: PodTable) -> None:
+    """Requests spread evenly are mostly running: they must not lift every pod's queue."""
+    table.apply(snapshot("pod-a", 1, waiting=2))
+    table.apply(snapshot("pod-b", 1, waiting=5))
+    for pod in ["pod-a", "pod-b", "pod-a", "pod-b", "pod-a"]:
+        table.started(pod)
+    assert [view.waiting for view in table.fresh_views()] == [3, 5]
+
+
+def test_a_newer_snapshot_replaces_the_estimate(table: PodTable) -> None:
+    table.apply(snapshot("pod-a", 1, waiting=0))
+    table.apply(snapshot("pod-b", 1, waiting=0))
+    table.started("pod-a")
+    table.started("pod-a")
+    assert table.apply(snapshot("pod-a", 2, waiting=1))
+    views = table.fresh_views()
+    assert [(view.waiting, view.in_flight) for view in views] == [(1, 2), (0, 0)]
+    table.started("pod-a")
+    assert table.fresh_views()[0].waiting == 2
+
+
+def test_an_out_of_order_snapshot_keeps_the_estimate(table: PodTable) -> None:
+    table.apply(snapshot("pod-a", 5, waiting=1))
+    table.apply(snapshot("pod-b", 5, waiting=1))
+    table.started("pod-a")
+    assert not table.apply(snapshot("pod-a", 4, waiting=0))
+    assert not table.apply(snapshot("pod-a", 5, waiting=0))
+    assert [view.waiting for view in table.fresh_views()] == [2, 1]
+
+
+def test_the_estimate_can_be_turned_off(clock: FakeClock) -> None:
+    table = PodTable(stale_after=1.0, clock=clock, load_estimate=False)
+    table.set_endpoints(ENDPOINTS)
+    table.apply(snapshot("pod-a", 1, waiting=3))
+    table.apply(snapshot("pod-b", 1, waiting=3))
+    table.started("pod-a")
+    views = table.fresh_views()
+    assert [(view.waiting, view.in_flight) for view in views] == [(3, 1), (3, 0)]
+
+
+@pytest.mark.parametrize(("load_estimate", "spread"), [(True, [2, 2, 2, 2]), (False, [8])])
+def test_the_estimate_spreads_one_scrape_interval_over_the_pods(
+    clock: FakeClock, load_estimate: bool, spread: list[int]
+) -> None:
+    """Idle pods whose KV usage differs a little: on the snapshots alone the filter tree's
+    least-KV band keeps only the lowest, so every request until the next scrape goes there."""
+    table = PodTable(stale_after=1.0, clock=clock, load_estimate=load_estimate)
+    names = ["p0", "p1", "p2", "p3"]
+    table.set_endpoints([Endpoint(name, "10.0.0.1", 8000 + i) for i, name in enumerate(names)])
+    for i, name in enumerate(names):
+        table.apply(snapshot(name, 1, kv_cache_usage=0.10 + 0.01 * i))
+    policy = build_policy(PolicyConfig(name="filter-tree"), random.Random(3))
+    request = SchedulingRequest("m", "m")
+    sent: Counter[str] = Counter()
+    for _ in range(8):
+        pick = policy.schedule(request, table.fresh_views()).pick
+        assert pick is not None
+        table.started(pick.name)
+        sent[pick.name] += 1
+    assert sorted(sent.values()) == spread

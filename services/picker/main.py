@@ -62,6 +62,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="processes sharing the ports (SO_REUSEPORT)")
     parser.add_argument("--stale-after", type=float, default=1.0,
                         help="seconds after which a pod's newest snapshot is stale")
+    parser.add_argument("--load-estimate", action=argparse.BooleanOptionalAction, default=True,
+                        help="count the requests this picker sent to a pod since its newest "
+                        "snapshot in that pod's waiting queue (beyond the least-served pod's), so "
+                        "that the requests of one scrape interval spread over the pods instead "
+                        "of all going to the least loaded one; --no-load-estimate decides on the "
+                        "scraped metrics alone, as upstream")
     parser.add_argument("--destination-header", default="x-gateway-destination-endpoint",
                         help="request header naming the chosen pod (ip:port) for Envoy")
     parser.add_argument("--seed", type=int, default=None,
@@ -126,7 +132,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     # the default 5 ms GIL switch interval that hand-off waits behind any busy Python code.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     metrics = PickerMetrics(registry)
-    pods = PodTable(args.stale_after)
+    pods = PodTable(args.stale_after, load_estimate=args.load_estimate)
     router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
     processor = Processor(router, pods, metrics, args.destination_header)
 
@@ -155,9 +161,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     nats = _NatsLink(args.pool, settings, subjects, view, router, pods, metrics)
     tasks = [asyncio.create_task(nats.run(stop)),
              asyncio.create_task(_housekeeping(stop, nats, pods, health, metrics))]
-    log.info("picker for pool %s: ext_proc on %s:%d, health on %s:%d, metrics on %s, NATS %s",
-             args.pool, args.host, grpc_port, args.host, health_port,
-             f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url)
+    log.info("picker for pool %s: ext_proc on %s:%d, health on %s:%d, metrics on %s, NATS %s, "
+             "load estimate %s", args.pool, args.host, grpc_port, args.host, health_port,
+             f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url,
+             "on" if args.load_estimate else "off")
     await stop.wait()
 
     log.info("picker stopping")

@@ -7,6 +7,9 @@ vLLM publishes ``vllm:lora_requests_info`` (hence ``max_lora``) only once it has
 an idle pod that never served a request reports no LoRA capacity. Read as 0 slots, the filter
 tree would never offer such a pod to adapter requests; instead it is assumed to have the largest
 capacity any pod of the pool has reported (a pool runs one vLLM configuration).
+
+Unless disabled, a view's ``waiting`` also counts requests this picker routed to the pod since its
+newest snapshot (see ``services/picker/load_estimate.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from services.picker.load_estimate import UnreportedLoad, picker_views
 from services.picker.scheduling.types import PodView
 from shared.schemas import Endpoint, PodMetrics
 
@@ -40,15 +44,20 @@ class Freshness(msgspec.Struct, frozen=True):
 
 
 class PodTable:
-    """Member endpoints of one pool with their newest metric snapshots and in-flight counts."""
+    """Member endpoints of one pool with their newest metric snapshots and in-flight counts.
 
-    def __init__(self, stale_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+    ``load_estimate=False`` leaves the scraped ``waiting`` uncorrected (upstream's behaviour).
+    """
+
+    def __init__(self, stale_after: float, clock: Callable[[], float] = time.monotonic,
+                 load_estimate: bool = True) -> None:
         self.stale_after = stale_after
         self._clock = clock
         self._entries: dict[str, _PodEntry] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_list: tuple[Endpoint, ...] = ()
         self._in_flight: dict[str, int] = {}
+        self._unreported = UnreportedLoad(load_estimate)
         self._max_lora_seen = 0
 
     # --- registry membership -------------------------------------------------------------
@@ -86,6 +95,7 @@ class PodTable:
         if snapshot.max_lora is not None and snapshot.max_lora > self._max_lora_seen:
             self._max_lora_seen = snapshot.max_lora
         self._entries[snapshot.pod] = _PodEntry(snapshot, self._clock(), view)
+        self._unreported.reported(snapshot.pod)
         return True
 
     def has_member_snapshot(self) -> bool:
@@ -95,7 +105,6 @@ class PodTable:
     def fresh_views(self) -> list[PodView]:
         """Member pods whose newest snapshot is recent and from a successful scrape."""
         oldest = self._clock() - self.stale_after
-        in_flight = self._in_flight
         max_lora_seen = self._max_lora_seen
         views = []
         for name in self._endpoints:
@@ -103,13 +112,10 @@ class PodTable:
             if entry is None or entry.view is None or entry.received_at < oldest:
                 continue
             view = entry.view
-            count = in_flight.get(name)
-            if count:
-                view = msgspec.structs.replace(view, in_flight=count)
             if entry.snapshot.max_lora is None and max_lora_seen:
                 view = msgspec.structs.replace(view, max_lora=max_lora_seen)
             views.append(view)
-        return views
+        return picker_views(views, self._in_flight, self._unreported.counts)
 
     def freshness(self, wall_clock_ns: int | None = None) -> Freshness:
         """Fresh/stale counts over members and each member's snapshot age (inf when none)."""
@@ -130,8 +136,9 @@ class PodTable:
     # --- requests in flight --------------------------------------------------------------
 
     def started(self, pod: str) -> None:
-        """Count a request sent to ``pod`` until :meth:`finished`."""
+        """Count a request sent to ``pod`` until :meth:`finished`, and until its next snapshot."""
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
+        self._unreported.routed(pod)
 
     def finished(self, pod: str) -> None:
         """The request to ``pod`` has ended (response done or stream closed)."""
