@@ -8,12 +8,15 @@ with content already cached takes references on those blocks instead of computin
 even when they sit in the free queue. ``usage`` counts the referenced blocks, which is what vLLM
 reports as ``vllm:kv_cache_usage_perc``.
 
-Hashes are made by the engine (it knows the tokens); this module only maps them to blocks.
+Hashes are made by the engine (it knows the tokens); this module only maps them to blocks. The
+engine may leave a block's content out of the map while no other request can ask for it (see
+``engine``); it then notes the block's position in the free queue when it frees it, and can tell
+later whether the block still holds that content (``still_free``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
 
@@ -26,11 +29,22 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref_count = [0] * num_blocks
+        # Free blocks have no reference; any other block has one, plus those counted in
+        # _shared (blocks several running requests share). Most blocks have a single owner, so
+        # allocating and freeing them are bulk operations on the free queue.
+        self._free: set[int] = set(range(num_blocks))
+        self._shared: dict[int, int] = {}
+        # The free queue, front = least recently freed. A cached block taken out of it by
+        # ``take`` leaves its entry behind, counted in _left_behind and skipped when reached.
+        self._queue: deque[int] = deque(range(num_blocks))
+        self._left_behind: dict[int, int] = {}
         self._hash_of: list[int | None] = [None] * num_blocks
         self._block_of: dict[int, int] = {}
-        # Front = least recently freed. OrderedDict pops its front in O(1); a dict would not.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.queued = num_blocks
+        """Free queue positions handed out: the next block freed takes position ``queued``."""
+        self.dequeued = 0
+        """Free queue positions consumed: the block at position ``p`` left the queue (or was
+        taken from it) once ``p < dequeued``, see ``still_free``."""
 
     @property
     def num_free(self) -> int:
@@ -62,34 +76,41 @@ class KVCache:
 
     def count_unreferenced(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` sit in the free queue (taking them shrinks it)."""
-        ref_count = self._ref_count
-        return sum(1 for block in blocks if ref_count[block] == 0)
+        free = self._free
+        return sum(1 for block in blocks if block in free)
 
     def take(self, blocks: Sequence[int]) -> None:
         """Reference cached ``blocks`` for one more request."""
-        ref_count = self._ref_count
         free = self._free
+        shared = self._shared
+        left_behind = self._left_behind
         for block in blocks:
-            if ref_count[block] == 0:
-                del free[block]
-            ref_count[block] += 1
+            if block in free:
+                free.remove(block)
+                left_behind[block] = left_behind.get(block, 0) + 1
+            else:
+                shared[block] = shared.get(block, 0) + 1
 
     def allocate(self, count: int) -> list[int] | None:
         """``count`` new blocks for one request, or None (and no change) if too few are free."""
         free = self._free
         if count > len(free):
             return None
-        ref_count = self._ref_count
-        hash_of = self._hash_of
-        taken: list[int] = []
-        for _ in range(count):
-            block, _ = free.popitem(last=False)
-            old_hash = hash_of[block]
-            if old_hash is not None:
-                hash_of[block] = None
-                del self._block_of[old_hash]
-            ref_count[block] = 1
-            taken.append(block)
+        if self._left_behind:
+            taken = self._pop_skipping_left_behind(count)
+        else:
+            popleft = self._queue.popleft
+            taken = [popleft() for _ in range(count)]
+            self.dequeued += count
+        free.difference_update(taken)
+        block_of = self._block_of
+        if block_of:  # some blocks hold cached content: the ones taken lose it
+            hash_of = self._hash_of
+            for block in taken:
+                old_hash = hash_of[block]
+                if old_hash is not None:
+                    hash_of[block] = None
+                    del block_of[old_hash]
         return taken
 
     def cache(self, block: int, block_hash: int) -> None:
@@ -102,10 +123,44 @@ class KVCache:
             self._block_of[block_hash] = block
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop one request's references; blocks freed last-to-first so tails are evicted first."""
-        ref_count = self._ref_count
-        free = self._free
-        for block in reversed(blocks):
-            ref_count[block] -= 1
-            if ref_count[block] == 0:
-                free[block] = None
+        """Drop one request's references; blocks freed last-to-first so tails are evicted first.
+        The last block of ``blocks``, if freed, takes free queue position ``queued``, the one
+        before it the next position, and so on."""
+        shared = self._shared
+        if not shared or shared.keys().isdisjoint(blocks):
+            freed: Sequence[int] = blocks[::-1]
+        else:
+            freed = []
+            for block in reversed(blocks):
+                others = shared.get(block)
+                if others is None:
+                    freed.append(block)
+                elif others == 1:
+                    del shared[block]
+                else:
+                    shared[block] = others - 1
+        self._queue.extend(freed)
+        self._free.update(freed)
+        self.queued += len(freed)
+
+    def still_free(self, position: int) -> bool:
+        """True if the block freed at free queue ``position`` has not been allocated or taken
+        since (for a block whose content is not cached, which cannot be taken)."""
+        return position >= self.dequeued
+
+    def _pop_skipping_left_behind(self, count: int) -> list[int]:
+        """The first ``count`` free blocks of the queue, dropping the entries left behind."""
+        popleft = self._queue.popleft
+        left_behind = self._left_behind
+        taken: list[int] = []
+        while len(taken) < count:
+            block = popleft()
+            self.dequeued += 1
+            behind = left_behind.get(block)
+            if behind is None:
+                taken.append(block)
+            elif behind == 1:
+                del left_behind[block]
+            else:
+                left_behind[block] = behind - 1
+        return taken

@@ -50,13 +50,18 @@ class AdapterSlots:
         return tuple(self._cpu)
 
     def activate(self, adapters: Iterable[str]) -> AdapterLoad:
-        """Make ``adapters`` (at most ``max_loras``) resident on the GPU; return the cost."""
-        needed = [name for name in adapters if name not in self._gpu]
-        for name in self._gpu.keys() & set(adapters):
-            self._gpu.move_to_end(name)
+        """Make ``adapters`` (at most ``max_loras``) resident on the GPU; return the cost.
+
+        They are used, and loaded, in name order: the order of a set depends on the hash seed
+        of the process, and LRU order decides later evictions."""
+        names = sorted(adapters)
+        needed = [name for name in names if name not in self._gpu]
+        for name in names:
+            if name in self._gpu:
+                self._gpu.move_to_end(name)
         if not needed:
             return NO_LOAD
-        keep = set(adapters)
+        keep = set(names)
         seconds = 0.0
         from_cpu = from_disk = 0
         for name in needed:
