@@ -82,8 +82,8 @@ class FleetRun:
     ) -> None:
         self.requests = requests
         self.outcomes = outcomes
+        # The engine's Request for each routed request (None when shed, 503 or 400).
         self.records = records
-        """The engine's ``Request`` for each routed request (None when shed, 503 or 400)."""
         self.counters = counters
         self.end_time = end_time
         self.wall_seconds = wall_seconds

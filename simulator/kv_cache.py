@@ -132,13 +132,8 @@ class KVCache:
         else:
             freed = []
             for block in reversed(blocks):
-                others = shared.get(block)
-                if others is None:
+                if not _drop_one(shared, block):
                     freed.append(block)
-                elif others == 1:
-                    del shared[block]
-                else:
-                    shared[block] = others - 1
         self._queue.extend(freed)
         self._free.update(freed)
         self.queued += len(freed)
@@ -156,11 +151,18 @@ class KVCache:
         while len(taken) < count:
             block = popleft()
             self.dequeued += 1
-            behind = left_behind.get(block)
-            if behind is None:
+            if not _drop_one(left_behind, block):
                 taken.append(block)
-            elif behind == 1:
-                del left_behind[block]
-            else:
-                left_behind[block] = behind - 1
         return taken
+
+
+def _drop_one(counts: dict[int, int], block: int) -> bool:
+    """Take one of ``block``'s counted references away; False when it had none."""
+    count = counts.get(block)
+    if count is None:
+        return False
+    if count == 1:
+        del counts[block]
+    else:
+        counts[block] = count - 1
+    return True
