@@ -1,14 +1,16 @@
 """The picker on the hot path: throughput, latency and CPU per request through a real Envoy.
 
 One Envoy (one worker thread) serves two listeners in the same run: the shipped gateway
-(ext_proc -> one picker process -> ORIGINAL_DST) and a baseline listener routing to the same
-upstreams on a static route. A bounded load generator (count and time) measures each in turn:
+(ext_proc -> one picker process with the default built-in HTTP/2 server -> ORIGINAL_DST) and a
+baseline listener routing to the same upstreams on a static route. A bounded load generator
+(count and time) measures each in turn:
 
 - closed loop (fixed connections, as fast as possible): requests/s, p50/p99;
 - open loop at a fixed rate (default 300 requests/s): p50/p99 and the added p50;
 - the picker process's CPU time per request, from /proc/<pid>/stat;
-- the same for a "floor" ext_proc server (grpc.aio with the picker's server options, answering
-  constant messages behind its own Envoy): what gRPC alone costs per request on this machine.
+- the same for a second picker running ``--server grpc-aio`` behind its own Envoy, and for a
+  "floor" ext_proc server (grpc.aio with the picker's server options, answering constant
+  messages): what grpc.aio alone costs per request on this machine, logic-free.
 
 Targets (from the picker issue): picker CPU <= 400 us per request; added p50 <= 1.5 ms at
 300 requests/s; >= 1,000 requests/s through one Envoy and one picker process.
@@ -212,6 +214,8 @@ class Stack:
         self.feed: FleetFeed | None = None
         self.picker: PickerProcess | None = None
         self.envoy: EnvoyProcess | None = None
+        self.aio_picker: PickerProcess | None = None
+        self.aio_envoy: EnvoyProcess | None = None
         self.baseline_port = free_port()
         self.floor_port = free_port()
         self.floor: subprocess.Popen[bytes] | None = None
@@ -240,6 +244,11 @@ class Stack:
                               pickers=[self.picker.endpoint], listener_host="127.0.0.1")
         add_baseline_listener(config, self.baseline_port, self.upstream_ports)
         self.envoy = EnvoyProcess(config, self.workdir).start()
+        self.aio_picker = PickerProcess(POOL, self.nats.url, self.workdir, log_level="WARNING",
+                                        extra_args=("--server", "grpc-aio")).start().wait_ready()
+        self.aio_envoy = EnvoyProcess(envoy_config(
+            listener_port=free_port(), admin_port=free_port(), pickers=[self.aio_picker.endpoint],
+            listener_host="127.0.0.1"), self.workdir).start()
         self.floor = subprocess.Popen(
             [sys.executable, __file__, "--serve-constant-answers", str(self.floor_port),
              addresses["pod-0"]], preexec_fn=die_with_parent)
@@ -251,7 +260,7 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        for part in (self.envoy, self.floor_envoy, self.picker):
+        for part in (self.envoy, self.aio_envoy, self.floor_envoy, self.picker, self.aio_picker):
             if part is not None:
                 part.stop()
         if self.floor is not None:
@@ -354,17 +363,19 @@ class Sample(msgspec.Struct):
 async def measure(stack: Stack, target: str, mode: str, payload: bytes,
                   args: argparse.Namespace) -> Sample:
     assert stack.envoy is not None and stack.picker is not None
+    assert stack.aio_envoy is not None and stack.aio_picker is not None
     assert stack.floor_envoy is not None and stack.floor is not None
-    port = {"picker": stack.envoy.listen_port, "baseline": stack.baseline_port,
-            "floor": stack.floor_envoy.listen_port}[target]
-    pid = stack.floor.pid if target == "floor" else stack.picker.pid
-    cpu_before = cpu_seconds(pid)
+    port, pid = {"picker": (stack.envoy.listen_port, stack.picker.pid),
+                 "baseline": (stack.baseline_port, 0),
+                 "picker-aio": (stack.aio_envoy.listen_port, stack.aio_picker.pid),
+                 "floor": (stack.floor_envoy.listen_port, stack.floor.pid)}[target]
+    cpu_before = cpu_seconds(pid) if pid else 0.0
     if mode == "closed":
         result = await closed_loop(port, payload, args.connections, args.duration,
                                    max_requests=args.max_requests)
     else:
         result = await open_loop(port, payload, args.rate, args.duration)
-    cpu = cpu_seconds(pid) - cpu_before
+    cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
     served = result.ok + result.failed
     return Sample(result.rate, result.percentile(0.5) * 1e3, result.percentile(0.99) * 1e3,
                   cpu / served * 1e6 if target != "baseline" and served else 0.0, result.failed)
@@ -379,19 +390,23 @@ async def run(args: argparse.Namespace) -> int:
         stack = Stack(Path(workdir)).start()
         try:
             plain, alias = request_bytes("bench-model"), request_bytes("bench-alias")
-            # Warm up both paths (connections, caches) before measuring.
-            await closed_loop(stack.envoy.listen_port, plain, 4, 1.0, 500)  # type: ignore[union-attr]
-            await closed_loop(stack.baseline_port, plain, 4, 1.0, 500)
+            # Warm up every path (connections, caches) before measuring.
+            assert stack.envoy and stack.aio_envoy and stack.floor_envoy
+            for port in (stack.envoy.listen_port, stack.aio_envoy.listen_port,
+                         stack.floor_envoy.listen_port, stack.baseline_port):
+                await closed_loop(port, plain, 4, 1.0, 500)
             results: dict[str, list[Sample]] = {}
             for _ in range(args.rounds):
                 for name, target, mode, payload in (
                     ("baseline closed", "baseline", "closed", plain),
                     ("picker closed", "picker", "closed", plain),
                     ("picker closed, model rewritten", "picker", "closed", alias),
-                    ("ext_proc floor closed", "floor", "closed", plain),
+                    ("picker grpc-aio closed", "picker-aio", "closed", plain),
+                    ("grpc.aio floor closed", "floor", "closed", plain),
                     ("baseline open", "baseline", "open", plain),
                     ("picker open", "picker", "open", plain),
-                    ("ext_proc floor open", "floor", "open", plain),
+                    ("picker grpc-aio open", "picker-aio", "open", plain),
+                    ("grpc.aio floor open", "floor", "open", plain),
                 ):
                     results.setdefault(name, []).append(
                         await measure(stack, target, mode, payload, args))
@@ -414,9 +429,11 @@ def report(results: dict[str, list[Sample]], args: argparse.Namespace) -> int:
     added_p50 = median(results["picker open"], "p50_ms") - median(results["baseline open"],
                                                                   "p50_ms")
     cpu = median(results["picker closed"], "picker_cpu_us")
-    floor = median(results["ext_proc floor closed"], "picker_cpu_us")
-    print(f"throughput ratio picker/baseline: {ratio:.2f}; picker CPU over the grpc.aio floor: "
-          f"{cpu - floor:.0f} us per request (closed loop)")
+    aio = median(results["picker grpc-aio closed"], "picker_cpu_us")
+    floor = median(results["grpc.aio floor closed"], "picker_cpu_us")
+    print(f"throughput ratio picker/baseline: {ratio:.2f}; CPU per request (closed loop): "
+          f"built-in server {cpu / aio:.2f}x the grpc-aio server's and {cpu / floor:.2f}x a "
+          f"logic-free grpc.aio server's")
     checks = [
         (f"picker CPU per request {cpu:.0f} us <= 400 us", cpu <= 400),
         (f"added p50 at {args.rate:.0f} req/s {added_p50:.2f} ms <= 1.5 ms", added_p50 <= 1.5),

@@ -2,7 +2,8 @@
 
 Registry state and metric snapshots are published to NATS as the registry and collector would
 (:class:`FleetFeed`); requests go through Envoy's gateway listener. Tests that only change state
-share one stack (module scope); tests that kill or restart something build their own.
+share one stack (module scope), once per ext_proc server implementation (``--server``); tests
+that kill or restart something build their own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ POOL = "pool-e2e"
 HEADER = "x-gateway-destination-endpoint"
 IDLE = {"waiting": 0, "running": 1, "kv_cache_usage": 0.1}
 BUSY = {"waiting": 200, "running": 30, "kv_cache_usage": 0.95}
+SERVERS = ("builtin", "grpc-aio")
 
 
 class Stack:
@@ -49,12 +51,13 @@ class Stack:
         self.client = httpx.Client(timeout=10)
 
     def start(self, pods: int, pickers: int, stale_after: float,
-              adjust: Callable[[dict[str, Any]], None] | None) -> Stack:
+              adjust: Callable[[dict[str, Any]], None] | None, server: str) -> Stack:
         self.nats.start()
         self.upstreams = [UpstreamServer(f"pod-{i}", free_port()).start() for i in range(pods)]
         self.feed = FleetFeed(self.nats.url, POOL, interval=0.1).start()
-        self.pickers = [PickerProcess(POOL, self.nats.url, self.workdir,
-                                      stale_after=stale_after).start() for _ in range(pickers)]
+        self.pickers = [PickerProcess(POOL, self.nats.url, self.workdir, stale_after=stale_after,
+                                      extra_args=("--server", server)).start()
+                        for _ in range(pickers)]
         self.reset()
         for picker in self.pickers:
             picker.wait_ready()
@@ -118,18 +121,20 @@ class Stack:
 
 
 def build_stack(workdir: Path, pods: int = 3, pickers: int = 1, stale_after: float = 0.5,
-                adjust: Callable[[dict[str, Any]], None] | None = None) -> Stack:
+                adjust: Callable[[dict[str, Any]], None] | None = None,
+                server: str = "builtin") -> Stack:
     stack = Stack(workdir)
     try:
-        return stack.start(pods, pickers, stale_after, adjust)
+        return stack.start(pods, pickers, stale_after, adjust, server)
     except BaseException:
         stack.close()
         raise
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    built = build_stack(tmp_path_factory.mktemp("picker-e2e"))
+@pytest.fixture(scope="module", params=SERVERS)
+def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+          ) -> Iterator[Stack]:
+    built = build_stack(tmp_path_factory.mktemp("picker-e2e"), server=request.param)
     try:
         yield built
     finally:
@@ -329,10 +334,12 @@ def test_nats_outage_is_served_from_last_state_and_new_metrics_count_within_2s(
         stack.close()
 
 
+@pytest.mark.parametrize("server", SERVERS)
 async def test_sigterm_stops_the_picker_within_2s(
-        nats_server: NatsServer, picker_process: Callable[..., PickerProcess]) -> None:
+        nats_server: NatsServer, picker_process: Callable[..., PickerProcess],
+        server: str) -> None:
     feed = FleetFeed(nats_server.url, POOL).start()
-    picker = picker_process(POOL, nats_server.url)
+    picker = picker_process(POOL, nats_server.url, extra_args=("--server", server))
     try:
         feed.set_pool()
         feed.set_endpoints({"pod-0": "127.0.0.1:9"})

@@ -20,7 +20,10 @@ from services.picker.ext_proc import (
     Exchange,
     ExternalProcessor,
     Processor,
+    ProcessStream,
+    http2_handlers,
 )
+from services.picker.http2 import Http2Server
 from services.picker.main import grpc_server
 from services.picker.observability import PickerMetrics
 from services.picker.routing import Router
@@ -250,14 +253,37 @@ class ExplodingRouter(Router):
         raise RuntimeError("bug")
 
 
-async def test_a_bug_costs_one_request_not_the_stream_or_the_server() -> None:
-    processor = make_processor()
-    processor.router = ExplodingRouter(POOL, processor.pods, random.Random(1))
+def test_process_stream_answers_serialized_and_ends_on_garbage() -> None:
+    stream = ProcessStream(make_processor())
+    answers, done = stream.on_message(request_headers().SerializeToString())
+    assert not done
+    assert pb.ProcessingResponse.FromString(answers[0]).HasField("request_headers")
+    answers, done = stream.on_message(b"\xff\xff not a protobuf")
+    assert done
+    answer = pb.ProcessingResponse.FromString(answers[0])
+    assert answer.immediate_response.status.code == 500
+    stream.on_close()
+
+
+async def _start_grpc_aio(processor: Processor) -> tuple[int, grpc.aio.Server]:
     server = grpc_server(reuse_port=False)
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
         ExternalProcessor(processor), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return port, server
+
+
+async def _start_builtin(processor: Processor) -> tuple[int, Http2Server]:
+    server = Http2Server(http2_handlers(processor), max_message=1 << 20)
+    return await server.start("127.0.0.1", 0), server
+
+
+@pytest.mark.parametrize("start", [_start_builtin, _start_grpc_aio], ids=["builtin", "grpc-aio"])
+async def test_a_bug_costs_one_request_not_the_stream_or_the_server(start) -> None:  # type: ignore[no-untyped-def]
+    processor = make_processor()
+    processor.router = ExplodingRouter(POOL, processor.pods, random.Random(1))
+    port, server = await start(processor)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)

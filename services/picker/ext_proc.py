@@ -16,6 +16,7 @@ request costs the picker two messages. (An Envoy that sends response headers on 
 stream itself gets the same treatment there.)
 
 :class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
+:class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`services.picker.http2`), and
 :class:`ExternalProcessor` is the grpc.aio servicer around it.
 """
 
@@ -330,6 +331,36 @@ def _header(headers: pb.HttpHeaders, key: str) -> bytes | None:
 def _is_event_stream(headers: pb.HttpHeaders) -> bool:
     content_type = _header(headers, "content-type")
     return content_type is not None and content_type.startswith(_EVENT_STREAM)
+
+
+PROCESS_PATH = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class ProcessStream:
+    """One ``Process`` call on the built-in HTTP/2 server: serialized messages in and out."""
+
+    __slots__ = ("_exchange", "_processor")
+
+    def __init__(self, processor: Processor) -> None:
+        self._processor = processor
+        self._exchange = Exchange(processor)
+
+    def on_message(self, message: bytes) -> tuple[list[bytes], bool]:
+        """The serialized answers to one message; True ends the call (after a picker error)."""
+        try:
+            replies = self._exchange.handle(pb.ProcessingRequest.FromString(message))
+        except Exception as exc:  # undecodable or a bug: it must cost one request, not more
+            return [self._processor.internal_error(exc).SerializeToString()], True
+        return [reply.SerializeToString() for reply in replies], False
+
+    def on_close(self) -> None:
+        """The call ended: the request is no longer in flight."""
+        self._exchange.close()
+
+
+def http2_handlers(processor: Processor) -> dict[bytes, Callable[[], ProcessStream]]:
+    """The built-in server's method table: ``Process`` only."""
+    return {PROCESS_PATH: lambda: ProcessStream(processor)}
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):

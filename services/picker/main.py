@@ -22,8 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry, start_http_server
 
-from services.picker.ext_proc import ExternalProcessor, Processor
+from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.health import PickerHealth
+from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
 from services.picker.routing import Router
@@ -45,6 +46,7 @@ HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refre
 SHUTDOWN_GRACE = 1.0  # seconds open streams get after SIGTERM (the service stops within ~2 s)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # above Envoy's 32 MiB body buffer in deploy/envoy
 GIL_SWITCH_INTERVAL = 0.0002  # seconds (Python's default is 0.005)
+SERVERS = ("builtin", "grpc-aio")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
     parser.add_argument("--metrics-port", type=int, default=9090,
                         help="Prometheus /metrics port (0 disables)")
+    parser.add_argument("--server", choices=SERVERS, default=env("LIG_PICKER_SERVER", "builtin"),
+                        help="the ext_proc server: 'builtin' (HTTP/2 in the event loop's thread; "
+                        "about half the CPU per request) or 'grpc-aio' (the grpcio library; "
+                        "needed for TLS) (env LIG_PICKER_SERVER)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes sharing the ports (SO_REUSEPORT)")
     parser.add_argument("--stale-after", type=float, default=1.0,
@@ -125,6 +131,41 @@ def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
     return bound
 
 
+class _GrpcAioExtProc:
+    """The ext_proc service on a grpc.aio server."""
+
+    def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool) -> None:
+        self._server = grpc_server(reuse_port)
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(processor), self._server)
+        self.port = _listen(self._server, host, port)
+
+    async def start(self) -> None:
+        await self._server.start()
+
+    async def stop(self, grace: float) -> None:
+        await self._server.stop(grace)
+
+
+class _BuiltinExtProc:
+    """The ext_proc service on the built-in HTTP/2 server."""
+
+    def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool) -> None:
+        self._server = Http2Server(http2_handlers(processor), MAX_MESSAGE_BYTES)
+        self._address = (host, port, reuse_port)
+        self.port = port
+
+    async def start(self) -> None:
+        host, port, reuse_port = self._address
+        try:
+            self.port = await self._server.start(host, port, reuse_port)
+        except OSError as exc:
+            raise SystemExit(f"picker: cannot listen on {host}:{port}: {exc}") from None
+
+    async def stop(self, grace: float) -> None:
+        await self._server.stop(grace)
+
+
 async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: CollectorRegistry,
                 metrics_port: int | None, reuse_port: bool = False) -> int:
     """The picker process: serve until ``stop`` is set, then shut down within ~2 s."""
@@ -137,19 +178,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     processor = Processor(router, pods, metrics, args.destination_header)
 
     http_server = _serve_metrics(args.host, metrics_port, registry)
-    ext_proc_server = grpc_server(reuse_port)
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(processor), ext_proc_server)
+    ext_proc_type = _BuiltinExtProc if args.server == "builtin" else _GrpcAioExtProc
     health_server = grpc_server(reuse_port)
     health = PickerHealth(health_server)
     try:
-        grpc_port = _listen(ext_proc_server, args.host, args.grpc_port)
+        ext_proc = ext_proc_type(processor, args.host, args.grpc_port, reuse_port)
+        await ext_proc.start()
         health_port = _listen(health_server, args.host, args.health_port)
     except SystemExit:
         if http_server is not None:
             http_server.shutdown()
         raise
-    await ext_proc_server.start()
     await health.start()
     # Everything allocated so far lives as long as the process: keep it out of the cyclic
     # collector's scans, which otherwise run every few hundred requests.
@@ -161,8 +200,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     nats = _NatsLink(args.pool, settings, subjects, view, router, pods, metrics)
     tasks = [asyncio.create_task(nats.run(stop)),
              asyncio.create_task(_housekeeping(stop, nats, pods, health, metrics))]
-    log.info("picker for pool %s: ext_proc on %s:%d, health on %s:%d, metrics on %s, NATS %s, "
-             "load estimate %s", args.pool, args.host, grpc_port, args.host, health_port,
+    log.info("picker for pool %s: ext_proc (%s server) on %s:%d, health on %s:%d, metrics on "
+             "%s, NATS %s, load estimate %s", args.pool, args.server, args.host, ext_proc.port,
+             args.host, health_port,
              f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url,
              "on" if args.load_estimate else "off")
     await stop.wait()
@@ -170,7 +210,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     log.info("picker stopping")
     for task in tasks:
         task.cancel()
-    closing = [health.stop(0), ext_proc_server.stop(SHUTDOWN_GRACE),
+    closing = [health.stop(0), ext_proc.stop(SHUTDOWN_GRACE),
                asyncio.gather(*tasks, return_exceptions=True)]
     if http_server is not None:
         closing.append(asyncio.to_thread(http_server.shutdown))
