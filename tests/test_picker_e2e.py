@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
+from lig.probes import grpc_serving
 from services.picker.envoy_config import ext_proc_filter
 from tests.support.envoy import EnvoyProcess, start_envoy
 from tests.support.fleet_feed import FleetFeed
@@ -288,23 +290,78 @@ def test_streamed_request_body_is_routed_on_the_whole_body(
                                                  "prompt": prompt}
 
 
-def test_a_killed_picker_is_survived_by_the_other_replica(tmp_path: Path) -> None:
+def test_a_killed_picker_costs_no_request(tmp_path: Path) -> None:
     stack = build_stack(tmp_path, pods=2, pickers=2)
     try:
         assert len(stack.served_by(10)) == 10
         stack.pickers[0].signal(signal.SIGKILL)
         stack.pickers[0].wait(5)
-        killed = time.monotonic()
-        last_failure = killed
-        consecutive = 0
-        while consecutive < 30:  # Envoy ejects the dead replica; the survivor takes over
-            assert time.monotonic() - killed < 15, "no recovery"
-            if stack.post().status_code == 200:
-                consecutive += 1
-            else:
-                last_failure, consecutive = time.monotonic(), 0
-        assert last_failure - killed < 3.0, f"failing for {last_failure - killed:.1f}s"
+        # Envoy still thinks the dead replica healthy for up to a second; a stream it starts
+        # there fails to connect and is retried on the survivor (deploy/envoy retry_policy).
+        statuses = [stack.post().status_code for _ in range(50)]
+        assert statuses == [200] * 50
         assert 'outcome="routed"' in stack.pickers[1].metrics()
+    finally:
+        stack.close()
+
+
+def test_a_picker_stopped_under_load_loses_no_request(tmp_path: Path) -> None:
+    # The built-in server's drain (two-step GOAWAY after the drain delay) loses nothing; grpc.aio
+    # may refuse the odd stream as it stops.
+    stack = build_stack(tmp_path, pods=2, pickers=2)
+    try:
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def client() -> None:
+            with httpx.Client(base_url=stack.envoy.url, timeout=10) as http:  # type: ignore[union-attr]
+                while not stop.is_set() and len(statuses) < 20_000:
+                    statuses.append(http.post("/v1/completions", json={
+                        "model": "plain", "prompt": "hi"}).status_code)
+
+        clients = [threading.Thread(target=client) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        try:
+            wait_until(lambda: len(statuses) > 200, what="load running")
+            stack.pickers[0].signal(signal.SIGTERM)  # drains; Envoy moves to the other one
+            assert stack.pickers[0].wait(5) == 0
+            served_before = len(statuses)
+            wait_until(lambda: len(statuses) > served_before + 200, what="load after the stop")
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(15)
+        assert set(statuses) == {200}, f"{len(statuses) - statuses.count(200)} failed"
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_responses_outlive_their_picker_and_nothing_is_routed_without_one(
+        tmp_path: Path, server: str) -> None:
+    stack = build_stack(tmp_path, pods=2, pickers=2, server=server)
+    try:
+        for pod in stack.upstreams:
+            pod.delay = 2.5  # generating: the requests are routed, their responses pending
+        results: list[int] = []
+        clients = [threading.Thread(target=lambda: results.append(stack.post().status_code))
+                   for _ in range(6)]
+        for thread in clients:
+            thread.start()
+        wait_until(lambda: sum(pod.count for pod in stack.upstreams) == 6, what="all routed")
+        for picker in stack.pickers:  # a rolling restart gone wrong: every picker stops
+            picker.signal(signal.SIGTERM)
+        for picker in stack.pickers:
+            assert picker.wait(5) == 0
+        for thread in clients:
+            thread.join(15)
+        assert results == [200] * 6
+        # No picker: fail closed, even with a destination the client chose itself.
+        target = stack.pod(0)
+        before = target.count
+        _error(stack.post(headers={HEADER: target.address}), 503, "picker_unavailable")
+        assert target.count == before
     finally:
         stack.close()
 
@@ -335,7 +392,7 @@ def test_nats_outage_is_served_from_last_state_and_new_metrics_count_within_2s(
 
 
 @pytest.mark.parametrize("server", SERVERS)
-async def test_sigterm_stops_the_picker_within_2s(
+async def test_sigterm_drains_then_stops_the_picker_within_2_5s(
         nats_server: NatsServer, picker_process: Callable[..., PickerProcess],
         server: str) -> None:
     feed = FleetFeed(nats_server.url, POOL).start()
@@ -346,15 +403,23 @@ async def test_sigterm_stops_the_picker_within_2s(
         feed.set_metrics("pod-0", "127.0.0.1:9", **IDLE)
         await asyncio.to_thread(picker.wait_ready)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
-            call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process()
+            stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+            call = stub.Process()
             await call.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders()))
             assert (await call.read()).HasField("request_headers")  # a request in flight
             started = time.monotonic()
             picker.signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            # Draining: health checks fail, but a request Envoy sends meanwhile is served.
+            assert not await grpc_serving(f"127.0.0.1:{picker.health_port}", "readiness", 0.5)
+            late = stub.Process()
+            await late.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+                end_of_stream=True)))
+            assert (await late.read()).HasField("request_headers")
             code = await asyncio.to_thread(picker.wait, 5)
             elapsed = time.monotonic() - started
         assert code == 0
-        assert elapsed < 2.0, f"took {elapsed:.2f}s"
+        assert elapsed < 2.5, f"took {elapsed:.2f}s"
         assert "picker stopping" in picker.log()
     finally:
         feed.stop()

@@ -29,7 +29,15 @@ def test_shipped_bootstrap_is_valid_and_keeps_the_contract() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     config = yaml.safe_load(TEMPLATE.read_text())
     ext_proc = ext_proc_filter(config)
-    assert ext_proc["failure_mode_allow"] is False
+    # Fail closed without failing open: a client's destination header is dropped before the
+    # picker is asked, so a request the picker did not route has no destination (503).
+    assert ext_proc["failure_mode_allow"] is True
+    (first, second, *_) = config["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]["http_filters"]
+    assert first["name"] == "envoy.filters.http.header_mutation"
+    assert {"remove": "x-gateway-destination-endpoint"} in first["typed_config"]["mutations"][
+        "request_mutations"]
+    assert second["name"] == "envoy.filters.http.ext_proc"
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
@@ -53,6 +61,7 @@ def test_rendered_bootstrap_lists_every_picker_and_validates(tmp_path: Path) -> 
              e["endpoint"]["health_check_config"]["port_value"]) for e in endpoints] == [
         (19002, 19003), (19102, 19103)]
     assert clusters["model_servers"]["original_dst_lb_config"]["http_header_name"] == "x-pick"
+    assert "x-pick" in text and "x-gateway-destination-endpoint" not in text
 
 
 def test_at_least_one_picker_is_required() -> None:

@@ -49,6 +49,11 @@ def envoy_config(
                                              "port_value": listener_port}
     model_servers = _named(resources["clusters"], "model_servers")
     model_servers["original_dst_lb_config"]["http_header_name"] = destination_header
+    removals = _gateway_filter(config, "envoy.filters.http.header_mutation")["mutations"][
+        "request_mutations"]
+    for removal in removals:
+        if removal.get("remove") == DESTINATION_HEADER:
+            removal["remove"] = destination_header
     picker = _named(resources["clusters"], "picker")
     picker["load_assignment"]["endpoints"] = [{"lb_endpoints": [
         {"endpoint": {
@@ -72,12 +77,13 @@ def dump_envoy_config(config: dict[str, Any]) -> str:
 
 def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any]:
     """The ext_proc filter's ``typed_config`` inside ``config`` (to adjust processing modes)."""
+    return _gateway_filter(config, "envoy.filters.http.ext_proc")
+
+
+def _gateway_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
     gateway = _named(config["static_resources"]["listeners"], "gateway")
     manager = gateway["filter_chains"][0]["filters"][0]["typed_config"]
-    for http_filter in manager["http_filters"]:
-        if http_filter["name"] == "envoy.filters.http.ext_proc":
-            return http_filter["typed_config"]
-    raise KeyError("no ext_proc filter in the Envoy configuration")
+    return _named(manager["http_filters"], name)["typed_config"]
 
 
 def _named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:

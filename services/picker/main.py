@@ -43,7 +43,7 @@ from shared.subjects import Subjects
 log = logging.getLogger("lig.picker")
 
 HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refreshes
-SHUTDOWN_GRACE = 1.0  # seconds open streams get after SIGTERM (the service stops within ~2 s)
+SHUTDOWN_GRACE = 0.5  # seconds open streams get once the drain delay is over
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # above Envoy's 32 MiB body buffer in deploy/envoy
 GIL_SWITCH_INTERVAL = 0.0002  # seconds (Python's default is 0.005)
 SERVERS = ("builtin", "grpc-aio")
@@ -66,6 +66,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "needed for TLS) (env LIG_PICKER_SERVER)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes sharing the ports (SO_REUSEPORT)")
+    parser.add_argument("--drain-delay", type=float, default=1.1,
+                        help="seconds the picker goes on serving after SIGTERM while its health "
+                        "checks fail, so that Envoy (checking every second) has moved new "
+                        "requests to other replicas before this one closes; responses already "
+                        "routed never depend on it")
     parser.add_argument("--stale-after", type=float, default=1.0,
                         help="seconds after which a pod's newest snapshot is stale")
     parser.add_argument("--load-estimate", action=argparse.BooleanOptionalAction, default=True,
@@ -207,11 +212,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
              "on" if args.load_estimate else "off")
     await stop.wait()
 
-    log.info("picker stopping")
+    log.info("picker stopping: health checks fail from now on; serving %.1fs more while Envoy "
+             "moves new requests to other replicas", args.drain_delay)
+    await health.stop(0)
+    await asyncio.sleep(args.drain_delay)
     for task in tasks:
         task.cancel()
-    closing = [health.stop(0), ext_proc.stop(SHUTDOWN_GRACE),
-               asyncio.gather(*tasks, return_exceptions=True)]
+    closing = [ext_proc.stop(SHUTDOWN_GRACE), asyncio.gather(*tasks, return_exceptions=True)]
     if http_server is not None:
         closing.append(asyncio.to_thread(http_server.shutdown))
     await asyncio.gather(*closing)

@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 log = logging.getLogger("lig.picker.workers")
 
 RESTART_DELAY = 1.0  # seconds before a dead worker is replaced (no tight crash loop)
-STOP_TIMEOUT = 1.8  # seconds the workers get after SIGTERM before SIGKILL
+STOP_TIMEOUT = 3.0  # seconds the workers get after SIGTERM (drain delay + grace) before SIGKILL
 
 
 def _worker(args: argparse.Namespace) -> None:

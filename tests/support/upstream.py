@@ -103,7 +103,8 @@ class UpstreamServer:
     """One fake model server: ``start()`` in a background thread, ``stop()`` to end it.
 
     ``name`` is sent back in ``x-upstream``; ``received`` keeps the last requests (bounded) and
-    ``count`` how many requests arrived.
+    ``count`` how many requests arrived. ``delay`` (seconds, settable) holds every answer back,
+    like a model server generating.
     """
 
     def __init__(self, name: str, port: int, host: str = "127.0.0.1", keep: int = 100) -> None:
@@ -111,6 +112,7 @@ class UpstreamServer:
         self.host = host
         self.port = port
         self.count = 0
+        self.delay = 0.0
         self.received: list[Received] = []
         self._keep = keep
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,26 +126,30 @@ class UpstreamServer:
         return f"{self.host}:{self.port}"
 
     def handle(self, request: Received, transport: asyncio.Transport) -> None:
-        """Answer one request on ``transport``."""
+        """Answer one request on ``transport`` (after ``delay`` seconds)."""
         self.count += 1
         if self._keep:
             self.received.append(request)
             del self.received[: -self._keep]
+        answer = self._answer(request)
+        if self.delay:
+            asyncio.get_running_loop().call_later(self.delay, transport.write, answer)
+        else:
+            transport.write(answer)
+
+    def _answer(self, request: Received) -> bytes:
         if request.method == "GET":
             body = msgspec.json.encode(
                 {"object": "list", "data": [{"id": "served-by-" + self.name, "object": "model"}]}
             )
-            transport.write(self._head(200, b"application/json", len(body)) + body)
-            return
+            return self._head(200, b"application/json", len(body)) + body
         try:
             parsed = _decode_request(request.body)
         except msgspec.DecodeError:
             body = b'{"error": {"message": "upstream got bad JSON"}}'
-            transport.write(self._head(400, b"application/json", len(body)) + body)
-            return
+            return self._head(400, b"application/json", len(body)) + body
         if parsed.stream:
-            transport.write(self._sse(parsed.model or ""))
-            return
+            return self._sse(parsed.model or "")
         body = msgspec.json.encode({
             "id": "cmpl-1",
             "object": "text_completion",
@@ -152,7 +158,7 @@ class UpstreamServer:
             "usage": {"prompt_tokens": len(request.body) // 4, "completion_tokens": 1,
                       "total_tokens": len(request.body) // 4 + 1},
         })
-        transport.write(self._head(200, b"application/json", len(body)) + body)
+        return self._head(200, b"application/json", len(body)) + body
 
     def _head(self, status: int, content_type: bytes, length: int | None) -> bytes:
         reason = b"OK" if status == 200 else b"Error"
