@@ -113,6 +113,9 @@ class Stack:
         self.client.close()
         if self.envoy is not None:
             self.envoy.stop()
+        for picker in self.pickers:  # all at once: each drains for a second
+            if picker.process is not None and picker.process.poll() is None:
+                picker.signal(signal.SIGTERM)
         for picker in self.pickers:
             picker.stop()
         if self.feed is not None:

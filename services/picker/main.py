@@ -62,8 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port (0 disables)")
     parser.add_argument("--server", choices=SERVERS, default=env("LIG_PICKER_SERVER", "builtin"),
                         help="the ext_proc server: 'builtin' (HTTP/2 in the event loop's thread; "
-                        "about half the CPU per request) or 'grpc-aio' (the grpcio library; "
-                        "needed for TLS) (env LIG_PICKER_SERVER)")
+                        "about a quarter of the CPU per request) or 'grpc-aio' (the grpcio "
+                        "library's asyncio server) (env LIG_PICKER_SERVER)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes sharing the ports (SO_REUSEPORT)")
     parser.add_argument("--drain-delay", type=float, default=1.1,
