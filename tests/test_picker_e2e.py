@@ -22,9 +22,10 @@ import msgspec
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lig.probes import grpc_serving
-from services.picker.envoy_config import ext_proc_filter
+from services.picker.envoy_config import PickerEndpoint, ext_proc_filter
 from tests.support.envoy import EnvoyProcess, start_envoy
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
@@ -367,6 +368,36 @@ def test_responses_outlive_their_picker_and_nothing_is_routed_without_one(
         assert target.count == before
     finally:
         stack.close()
+
+
+class _HungPicker(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """Answers request headers, then never the body: a picker stuck in a decision."""
+
+    async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async for message in request_iterator:
+            if message.HasField("request_headers"):
+                await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+
+
+async def test_a_picker_that_does_not_answer_in_time_gets_503(
+        envoy_gateway: Callable[..., EnvoyProcess]) -> None:
+    server = grpc.aio.server()
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(_HungPicker(), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
+                              health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        envoy = await asyncio.to_thread(envoy_gateway, [PickerEndpoint("127.0.0.1", port, port)])
+        async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as client:
+            started = time.monotonic()
+            response = await client.post("/v1/completions", json={"model": "plain"})
+        assert 1.9 < time.monotonic() - started < 4  # Envoy's message_timeout (2 s)
+        _error(response, 503, "picker_unavailable")
+    finally:
+        await server.stop(0)
 
 
 def test_nats_outage_is_served_from_last_state_and_new_metrics_count_within_2s(
