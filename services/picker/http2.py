@@ -11,7 +11,7 @@ two-step graceful drain), RST_STREAM, WINDOW_UPDATE and flow control both ways, 
 padding and priority fields. HPACK decoding is the `hpack` package's; the peer is asked for no
 dynamic table, so that the identical header blocks Envoy sends for every stream decode once.
 Not supported: compressed messages (refused with UNIMPLEMENTED; Envoy does not compress), TLS
-(use the grpc-aio server for that), server push (never used by a server of this kind).
+(neither picker server offers it yet), server push (never used by a server of this kind).
 
 :class:`Http2Connection` is the protocol for one client connection and is testable with a fake
 transport; :class:`Http2Server` listens and drains.
@@ -156,7 +156,7 @@ class Http2Connection(asyncio.Protocol):
         self._max_frame_out = DEFAULT_FRAME_SIZE
         self._received = 0
         self._blocked: list[_Stream] = []
-        self._draining = False  # final GOAWAY sent: no new streams
+        self._draining = False  # no new streams: our final GOAWAY went out, or the client sent one
         self._closing = False
 
     # --- asyncio.Protocol ------------------------------------------------------------------
