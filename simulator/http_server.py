@@ -134,9 +134,13 @@ class _Connections:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             return  # the client went away
+        except asyncio.CancelledError:
+            # The server is shutting down. Python 3.11's stream server logs a cancelled
+            # connection task as an error with a traceback; end it quietly instead.
+            return
         finally:
             writer.close()
-            with contextlib.suppress(ConnectionError, TimeoutError):
+            with contextlib.suppress(ConnectionError, TimeoutError, asyncio.CancelledError):
                 await writer.wait_closed()
 
 
