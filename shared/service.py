@@ -45,3 +45,15 @@ async def cancel_and_wait(task: asyncio.Task[Any], grace: float = 1.5) -> None:
             return
         task.cancel()
         await asyncio.wait({task}, timeout=min(0.5, remaining))
+
+
+async def finish_within(step: Awaitable[Any], seconds: float) -> None:
+    """Give a best-effort shutdown step (closing a NATS connection, say) ``seconds`` to finish,
+    then cancel it as :func:`cancel_and_wait` does; its errors are dropped. Unlike
+    ``asyncio.wait_for``, this returns on time even if the step swallows a cancellation."""
+    task = asyncio.ensure_future(step)
+    await asyncio.wait({task}, timeout=seconds)
+    if not task.done():
+        await cancel_and_wait(task, grace=1.0)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: a failed close is expected while NATS is away

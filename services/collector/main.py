@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -30,7 +29,7 @@ from services.collector.targets import ScrapeTarget, targets_from_view
 from shared.logs import add_logging_arguments, setup_logging
 from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
 from shared.registry_view import RegistryView, RegistryWatcher
-from shared.service import run_service
+from shared.service import cancel_and_wait, finish_within, run_service
 from shared.subjects import Subjects
 
 log = logging.getLogger("lig.collector")
@@ -175,13 +174,11 @@ class Collector:
         finally:
             await self.scheduler.stop()
             # Membership announces that this collector leaves, so peers take over at once.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
-                                       SHUTDOWN_TIMEOUT_S)
+            await finish_within(asyncio.gather(*tasks, return_exceptions=True),
+                                SHUTDOWN_TIMEOUT_S)
             if self._recording is not None:
                 self._recording.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.drain(), SHUTDOWN_TIMEOUT_S)
+            await finish_within(nc.drain(), SHUTDOWN_TIMEOUT_S)
 
     def rebalance(self) -> None:
         """Scrape exactly the pods this collector owns now."""
@@ -213,9 +210,7 @@ class Collector:
         await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not connecting.done():
-            connecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await connecting
+            await cancel_and_wait(connecting)  # nats-py's connect may swallow one cancel
             return None
         return connecting.result()
 

@@ -37,7 +37,7 @@ from shared.nats_connection import (
     settings_from_args,
 )
 from shared.registry_view import RegistryView, RegistryWatcher
-from shared.service import run_service
+from shared.service import cancel_and_wait, finish_within, run_service
 from shared.subjects import Subjects
 
 log = logging.getLogger("lig.picker")
@@ -212,13 +212,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
              "on" if args.load_estimate else "off")
     await stop.wait()
 
+    drain = args.drain_delay if health.ready else 0.0  # never ready: Envoy sent nothing here
     log.info("picker stopping: health checks fail from now on; serving %.1fs more while Envoy "
-             "moves new requests to other replicas", args.drain_delay)
+             "moves new requests to other replicas", drain)
     await health.stop(0)
-    await asyncio.sleep(args.drain_delay)
-    for task in tasks:
-        task.cancel()
-    closing = [ext_proc.stop(SHUTDOWN_GRACE), asyncio.gather(*tasks, return_exceptions=True)]
+    await asyncio.sleep(drain)
+    closing = [ext_proc.stop(SHUTDOWN_GRACE), *(cancel_and_wait(task) for task in tasks)]
     if http_server is not None:
         closing.append(asyncio.to_thread(http_server.shutdown))
     await asyncio.gather(*closing)
@@ -270,8 +269,7 @@ class _NatsLink:
             await subscribe(self.client, self._subjects, self.sink)
             await self.watcher.run(stop)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.client.close(), 0.5)
+            await finish_within(self.client.close(), 0.5)
 
 
 async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, pods: PodTable,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -25,7 +24,7 @@ from services.registry.publisher import Publisher
 from services.registry.reconciler import Reconciler
 from shared.logs import add_logging_arguments, setup_logging
 from shared.nats_connection import add_nats_arguments, connect, settings_from_args
-from shared.service import cancel_and_wait, run_service
+from shared.service import cancel_and_wait, finish_within, run_service
 from shared.subjects import Subjects
 
 log = logging.getLogger("lig.registry")
@@ -108,5 +107,4 @@ async def _publish_forever(
                  ", ".join(reconciler.paths), bucket, settings.url, metrics_at)
         await reconciler.run(Publisher(nc.jetstream(), bucket))
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 1.0)
+        await finish_within(nc.close(), 1.0)
