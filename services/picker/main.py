@@ -69,8 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-delay", type=float, default=1.1,
                         help="seconds the picker goes on serving after SIGTERM while its health "
                         "checks fail, so that Envoy (checking every second) has moved new "
-                        "requests to other replicas before this one closes; responses already "
-                        "routed never depend on it")
+                        "requests to other replicas before this one closes (skipped by a picker "
+                        "that never became ready); responses already routed never depend on it")
     parser.add_argument("--stale-after", type=float, default=1.0,
                         help="seconds after which a pod's newest snapshot is stale")
     parser.add_argument("--load-estimate", action=argparse.BooleanOptionalAction, default=True,
