@@ -28,7 +28,7 @@ from lig.cli import COMMANDS  # noqa: E402
 
 README = ROOT / "README.md"
 HELP_WIDTH = "100"
-_ENV = re.compile(r"\benv (LIG_[A-Z_]+)")
+_ENV = re.compile(r"\benv\s+(LIG_[A-Z_]+)")
 
 
 def command_help(command: str) -> str:

@@ -25,7 +25,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lig.probes import grpc_serving
-from services.picker.envoy_config import PickerEndpoint, ext_proc_filter
+from services.picker.envoy_config import PickerEndpoint, PickerTls, envoy_config, ext_proc_filter
+from tests.support.certs import make_certificates
 from tests.support.envoy import EnvoyProcess, start_envoy
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
@@ -457,6 +458,49 @@ async def test_sigterm_drains_then_stops_the_picker_within_2_5s(
         assert "picker stopping" in picker.log()
     finally:
         feed.stop()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_envoy_reaches_pickers_over_mutual_tls(
+        tmp_path: Path, nats_server: NatsServer, picker_process: Callable[..., PickerProcess],
+        server: str) -> None:
+    certs = make_certificates(tmp_path / "certs")
+    upstream = UpstreamServer("pod-0", free_port()).start()
+    feed = FleetFeed(nats_server.url, POOL).start()
+    envoy: EnvoyProcess | None = None
+    try:
+        feed.set_pool()
+        feed.set_model("plain")
+        feed.set_endpoints({"pod-0": upstream.address})
+        feed.set_metrics("pod-0", upstream.address, **IDLE)
+        picker = picker_process(POOL, nats_server.url, extra_args=(
+            "--server", server, "--tls-cert", certs.server_cert, "--tls-key", certs.server_key,
+            "--tls-client-ca", certs.ca))
+        picker.wait_ready()  # the health port stays plaintext
+        envoy = EnvoyProcess(envoy_config(
+            listener_port=free_port(), admin_port=free_port(), pickers=[picker.endpoint],
+            listener_host="127.0.0.1",
+            picker_tls=PickerTls(certs.ca, certs.client_cert, certs.client_key)),
+            tmp_path).start()
+        with httpx.Client(base_url=envoy.url, timeout=10) as client:
+            response = client.post("/v1/completions", json={"model": "plain", "prompt": "hi"})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-upstream"] == "pod-0"
+        assert "mutual TLS" in picker.log()
+        # Without a client certificate, or without TLS, the picker does not talk.
+        target = f"127.0.0.1:{picker.grpc_port}"
+        no_client_cert = grpc.ssl_channel_credentials(Path(certs.ca).read_bytes())
+        for channel in (grpc.secure_channel(target, no_client_cert),
+                        grpc.insecure_channel(target)):
+            with channel, pytest.raises(grpc.RpcError):
+                stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+                list(stub.Process(iter([pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+                    end_of_stream=True))]), timeout=3))
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        feed.stop()
+        upstream.stop()
 
 
 def test_workers_share_the_ports_and_stop_together(

@@ -26,6 +26,15 @@ class PickerEndpoint(msgspec.Struct, frozen=True):
     health_port: int = 9003
 
 
+class PickerTls(msgspec.Struct, frozen=True):
+    """Envoy to pickers over TLS: the CA that signed the pickers' certificates, and Envoy's own
+    certificate and key for pickers that require client certificates (``--tls-client-ca``)."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+
 def envoy_config(
     *,
     listener_port: int,
@@ -34,6 +43,7 @@ def envoy_config(
     listener_host: str = "0.0.0.0",
     admin_host: str = "127.0.0.1",
     destination_header: str = DESTINATION_HEADER,
+    picker_tls: PickerTls | None = None,
     template: Path = TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap as a dict; pickers as :class:`PickerEndpoint` or ``(host, grpc, health)``."""
@@ -62,7 +72,29 @@ def envoy_config(
         }}
         for p in pickers
     ]}]
+    if picker_tls is not None:
+        _use_tls(picker, picker_tls)
     return config
+
+
+def _use_tls(cluster: dict[str, Any], tls: PickerTls) -> None:
+    """ext_proc streams over TLS (ALPN h2); health checks stay on the plaintext health port."""
+    context: dict[str, Any] = {"alpn_protocols": ["h2"],
+                               "validation_context": {"trusted_ca": {"filename": tls.ca}}}
+    if tls.cert is not None and tls.key is not None:
+        context["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert},
+                                        "private_key": {"filename": tls.key}}]
+    cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3"
+                 ".UpstreamTlsContext",
+        "common_tls_context": context}}
+    cluster["transport_socket_matches"] = [{
+        "name": "plaintext-health", "match": {"lig-health": "plaintext"},
+        "transport_socket": {"name": "envoy.transport_sockets.raw_buffer", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3"
+                     ".RawBuffer"}}}]
+    for check in cluster["health_checks"]:
+        check["transport_socket_match_criteria"] = {"lig-health": "plaintext"}
 
 
 def render_envoy_config(**options: Any) -> str:

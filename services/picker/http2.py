@@ -10,8 +10,9 @@ Scope is what Envoy's gRPC client uses, implemented to RFC 9113: SETTINGS, PING,
 two-step graceful drain), RST_STREAM, WINDOW_UPDATE and flow control both ways, CONTINUATION,
 padding and priority fields. HPACK decoding is the `hpack` package's; the peer is asked for no
 dynamic table, so that the identical header blocks Envoy sends for every stream decode once.
-Not supported: compressed messages (refused with UNIMPLEMENTED; Envoy does not compress), TLS
-(neither picker server offers it yet), server push (never used by a server of this kind).
+TLS is the event loop's (``Http2Server.start(tls=...)``). Not supported: compressed messages
+(refused with UNIMPLEMENTED; Envoy does not compress), server push (never used by a server of
+this kind).
 
 :class:`Http2Connection` is the protocol for one client connection and is testable with a fake
 transport; :class:`Http2Server` listens and drains.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -559,11 +561,13 @@ class Http2Server:
         self._idle = asyncio.Event()  # set whenever no connection is open
         self._idle.set()
 
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
-        """Listen on ``host:port``; returns the bound port (``OSError`` when it cannot)."""
+    async def start(self, host: str, port: int, reuse_port: bool = False,
+                    tls: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (over TLS with a context offering ALPN ``h2``); returns the
+        bound port (``OSError`` when it cannot)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._connection, host, port,
-                                                reuse_port=reuse_port or None)
+                                                reuse_port=reuse_port or None, ssl=tls)
         return self._server.sockets[0].getsockname()[1]
 
     def _connection(self) -> Http2Connection:

@@ -29,6 +29,13 @@ from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
 from services.picker.routing import Router
 from services.picker.state import PodTable
+from services.picker.tls import (
+    TlsFiles,
+    add_tls_arguments,
+    grpc_credentials,
+    ssl_context,
+    tls_from_args,
+)
 from shared.logs import add_logging_arguments, setup_logging
 from shared.nats_connection import (
     NatsSettings,
@@ -83,6 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="request header naming the chosen pod (ip:port) for Envoy")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for the random choices (reproducible runs)")
+    add_tls_arguments(parser)
     add_nats_arguments(parser)
     add_logging_arguments(parser)
 
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--pool must name the InferencePool to serve")
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
+    tls_from_args(args)  # wrong TLS flags fail here, before any worker starts
     if args.stale_after <= 0:
         raise SystemExit("--stale-after must be positive")
     setup_logging("picker", args.log_level)
@@ -126,9 +135,12 @@ def _serve_metrics(host: str, port: int | None,
     return server
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
+def _listen(server: grpc.aio.Server, host: str, port: int,
+            credentials: grpc.ServerCredentials | None = None) -> int:
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
     except RuntimeError:
         bound = 0
     if not bound:
@@ -139,11 +151,13 @@ def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
 class _GrpcAioExtProc:
     """The ext_proc service on a grpc.aio server."""
 
-    def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool) -> None:
+    def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool,
+                 tls: TlsFiles | None) -> None:
         self._server = grpc_server(reuse_port)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(processor), self._server)
-        self.port = _listen(self._server, host, port)
+        self.port = _listen(self._server, host, port,
+                            grpc_credentials(tls) if tls is not None else None)
 
     async def start(self) -> None:
         await self._server.start()
@@ -155,15 +169,17 @@ class _GrpcAioExtProc:
 class _BuiltinExtProc:
     """The ext_proc service on the built-in HTTP/2 server."""
 
-    def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool) -> None:
+    def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool,
+                 tls: TlsFiles | None) -> None:
         self._server = Http2Server(http2_handlers(processor), MAX_MESSAGE_BYTES)
         self._address = (host, port, reuse_port)
+        self._ssl = ssl_context(tls) if tls is not None else None
         self.port = port
 
     async def start(self) -> None:
         host, port, reuse_port = self._address
         try:
-            self.port = await self._server.start(host, port, reuse_port)
+            self.port = await self._server.start(host, port, reuse_port, self._ssl)
         except OSError as exc:
             raise SystemExit(f"picker: cannot listen on {host}:{port}: {exc}") from None
 
@@ -182,12 +198,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
     processor = Processor(router, pods, metrics, args.destination_header)
 
+    tls = tls_from_args(args)
     http_server = _serve_metrics(args.host, metrics_port, registry)
     ext_proc_type = _BuiltinExtProc if args.server == "builtin" else _GrpcAioExtProc
     health_server = grpc_server(reuse_port)
     health = PickerHealth(health_server)
     try:
-        ext_proc = ext_proc_type(processor, args.host, args.grpc_port, reuse_port)
+        ext_proc = ext_proc_type(processor, args.host, args.grpc_port, reuse_port, tls)
         await ext_proc.start()
         health_port = _listen(health_server, args.host, args.health_port)
     except SystemExit:
@@ -205,8 +222,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     nats = _NatsLink(args.pool, settings, subjects, view, router, pods, metrics)
     tasks = [asyncio.create_task(nats.run(stop)),
              asyncio.create_task(_housekeeping(stop, nats, pods, health, metrics))]
-    log.info("picker for pool %s: ext_proc (%s server) on %s:%d, health on %s:%d, metrics on "
-             "%s, NATS %s, load estimate %s", args.pool, args.server, args.host, ext_proc.port,
+    log.info("picker for pool %s: ext_proc (%s server, %s) on %s:%d, health on %s:%d, metrics "
+             "on %s, NATS %s, load estimate %s", args.pool, args.server,
+             "plaintext" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
+             args.host, ext_proc.port,
              args.host, health_port,
              f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url,
              "on" if args.load_estimate else "off")
