@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--pool must name the InferencePool to serve")
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
-    tls_from_args(args)  # wrong TLS flags fail here, before any worker starts
+    args.tls = tls_from_args(args)  # wrong TLS flags fail here, before any worker starts
     if args.stale_after <= 0:
         raise SystemExit("--stale-after must be positive")
     setup_logging("picker", args.log_level)
@@ -198,7 +198,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
     processor = Processor(router, pods, metrics, args.destination_header)
 
-    tls = tls_from_args(args)
+    tls: TlsFiles | None = args.tls
     http_server = _serve_metrics(args.host, metrics_port, registry)
     ext_proc_type = _BuiltinExtProc if args.server == "builtin" else _GrpcAioExtProc
     health_server = grpc_server(reuse_port)
