@@ -111,7 +111,7 @@ class StreamHandler(Protocol):
 Handlers = Mapping[bytes, Callable[[], StreamHandler]]  # method path -> a new call's handler
 
 
-class ConnectionError_(Exception):
+class ProtocolFault(Exception):
     """A connection error: answered with GOAWAY and the connection closed."""
 
     def __init__(self, code: int, reason: str) -> None:
@@ -177,7 +177,7 @@ class Http2Connection(asyncio.Protocol):
         self._buffer += data
         try:
             self._process()
-        except ConnectionError_ as exc:
+        except ProtocolFault as exc:
             log.warning("HTTP/2 connection error (%s), closing: %s", exc.code, exc)
             self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
                                    + exc.code.to_bytes(4, "big")))
@@ -224,17 +224,17 @@ class Http2Connection(asyncio.Protocol):
         if not self._preface_seen:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(bytes(buffer)):
-                    raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 client preface")
+                    raise ProtocolFault(PROTOCOL_ERROR, "not an HTTP/2 client preface")
                 return
             if buffer[: len(PREFACE)] != PREFACE:
-                raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 client preface")
+                raise ProtocolFault(PROTOCOL_ERROR, "not an HTTP/2 client preface")
             position = len(PREFACE)
             self._preface_seen = True
         end_of_data = len(buffer)
         while end_of_data - position >= 9 and not self._closing:
             length = int.from_bytes(buffer[position: position + 3], "big")
             if length > RECEIVE_FRAME_SIZE:
-                raise ConnectionError_(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                raise ProtocolFault(FRAME_SIZE_ERROR, f"frame of {length} bytes")
             end = position + 9 + length
             if end > end_of_data:
                 break
@@ -247,7 +247,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "header block interrupted")
+            raise ProtocolFault(PROTOCOL_ERROR, "header block interrupted")
         if kind == DATA:
             self._data(flags, stream_id, payload)
         elif kind == HEADERS:
@@ -268,12 +268,12 @@ class Http2Connection(asyncio.Protocol):
             self._draining = True  # the client opens no more streams here
             self._close_if_idle()
         elif kind == PUSH_PROMISE:
-            raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+            raise ProtocolFault(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         # PRIORITY and unknown frame types are ignored, as RFC 9113 requires.
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+            raise ProtocolFault(PROTOCOL_ERROR, "DATA on stream 0")
         self._received += len(payload)
         if self._received >= WINDOW_REFILL:
             self._out.append(frame(WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big")))
@@ -281,7 +281,7 @@ class Http2Connection(asyncio.Protocol):
         stream = self._streams.get(stream_id)
         if stream is None:
             if stream_id > self._last_stream:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+                raise ProtocolFault(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             return  # a stream that ended here already: its data is discarded
         stream.received += len(payload)
         if stream.received >= WINDOW_REFILL:
@@ -298,7 +298,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0 or stream_id % 2 == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+            raise ProtocolFault(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
         if flags & PADDED:
             payload = _unpad(payload)
         if flags & PRIORITY_FLAG:
@@ -311,10 +311,10 @@ class Http2Connection(asyncio.Protocol):
     def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
         pending = self._header_block
         if pending is None or pending[0] != stream_id:
-            raise ConnectionError_(PROTOCOL_ERROR, "unexpected CONTINUATION")
+            raise ProtocolFault(PROTOCOL_ERROR, "unexpected CONTINUATION")
         pending[2].extend(payload)
         if len(pending[2]) > MAX_HEADER_BLOCK:
-            raise ConnectionError_(PROTOCOL_ERROR, "header block too large")
+            raise ProtocolFault(PROTOCOL_ERROR, "header block too large")
         if flags & END_HEADERS:
             self._header_block = None
             self._header_block_done(stream_id, pending[1], bytes(pending[2]))
@@ -324,11 +324,11 @@ class Http2Connection(asyncio.Protocol):
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers from the client end its side of the call
             if not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, "second HEADERS without END_STREAM")
+                raise ProtocolFault(PROTOCOL_ERROR, "second HEADERS without END_STREAM")
             self._remote_end(stream)
             return
         if stream_id <= self._last_stream:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
+            raise ProtocolFault(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
         self._last_stream = stream_id
         if self._draining:
             self._out.append(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
@@ -355,7 +355,7 @@ class Http2Connection(asyncio.Protocol):
         try:
             headers = self._decoder.decode(block, raw=True)
         except hpack.HPACKError as exc:
-            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+            raise ProtocolFault(COMPRESSION_ERROR, f"bad header block: {exc}") from None
         path = b""
         for name, value in headers:
             if name == b":path":
@@ -403,14 +403,14 @@ class Http2Connection(asyncio.Protocol):
 
     def _window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of wrong size")
+            raise ProtocolFault(FRAME_SIZE_ERROR, "WINDOW_UPDATE of wrong size")
         increment = int.from_bytes(payload, "big") & MAX_WINDOW
         if stream_id == 0:
             if increment == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "zero WINDOW_UPDATE")
+                raise ProtocolFault(PROTOCOL_ERROR, "zero WINDOW_UPDATE")
             self._send_window += increment
             if self._send_window > MAX_WINDOW:
-                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window overflow")
+                raise ProtocolFault(FLOW_CONTROL_ERROR, "connection window overflow")
             blocked, self._blocked = self._blocked, []
             for stream in blocked:
                 self._flush(stream)
@@ -422,25 +422,25 @@ class Http2Connection(asyncio.Protocol):
 
     def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id != 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+            raise ProtocolFault(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:  # the client now encodes without a dynamic table
             self._decoder.max_allowed_table_size = 0
             return
         if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS of wrong size")
+            raise ProtocolFault(FRAME_SIZE_ERROR, "SETTINGS of wrong size")
         for offset in range(0, len(payload), 6):
             key = int.from_bytes(payload[offset: offset + 2], "big")
             value = int.from_bytes(payload[offset + 2: offset + 6], "big")
             if key == INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
+                    raise ProtocolFault(FLOW_CONTROL_ERROR, "initial window too large")
                 delta = value - self._initial_send_window
                 self._initial_send_window = value
                 for stream in self._streams.values():
                     stream.send_window += delta
             elif key == MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_SIZE <= value <= 16_777_215:
-                    raise ConnectionError_(PROTOCOL_ERROR, f"max frame size {value}")
+                    raise ProtocolFault(PROTOCOL_ERROR, f"max frame size {value}")
                 self._max_frame_out = value
             # Others need nothing: our header blocks use no dynamic table, we open no streams.
         self._out.append(frame(SETTINGS, ACK, 0))
@@ -449,9 +449,9 @@ class Http2Connection(asyncio.Protocol):
 
     def _ping(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id != 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
+            raise ProtocolFault(PROTOCOL_ERROR, "PING on a stream")
         if len(payload) != 8:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "PING of wrong size")
+            raise ProtocolFault(FRAME_SIZE_ERROR, "PING of wrong size")
         if not flags & ACK:
             self._out.append(frame(PING, ACK, 0, payload))
         elif payload == _DRAIN_PING and not self._draining:
@@ -543,10 +543,10 @@ class Http2Connection(asyncio.Protocol):
 
 def _unpad(payload: bytes) -> bytes:
     if not payload:
-        raise ConnectionError_(PROTOCOL_ERROR, "padded frame without pad length")
+        raise ProtocolFault(PROTOCOL_ERROR, "padded frame without pad length")
     pad = payload[0]
     if pad >= len(payload):
-        raise ConnectionError_(PROTOCOL_ERROR, "padding exceeds the frame")
+        raise ProtocolFault(PROTOCOL_ERROR, "padding exceeds the frame")
     return payload[1: len(payload) - pad]
 
 
