@@ -67,3 +67,30 @@ def test_rendered_bootstrap_lists_every_picker_and_validates(tmp_path: Path) -> 
 def test_at_least_one_picker_is_required() -> None:
     with pytest.raises(ValueError):
         envoy_config(listener_port=1, admin_port=2, pickers=[])
+
+
+def test_response_rewrite_filters_start_at_the_response_and_skip_envoys_own_replies() -> None:
+    config = yaml.safe_load(TEMPLATE.read_text())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
+    routing = filters["envoy.filters.http.ext_proc"]
+    assert routing["metadata_options"]["receiving_namespaces"]["untyped"] == ["lig"]
+    failure_modes = {}
+    for name in ("lig.response_rewrite", "lig.response_rewrite_events"):
+        matchers = filters[name]["xds_matcher"]["matcher_list"]["matchers"]
+        # The marker first: a reply to a request whose headers never parsed has no request
+        # header to match on, and must not wait on a picker.
+        first = matchers[0]["predicate"]["single_predicate"]["input"]["typed_config"]
+        assert first["header_name"] == "x-gateway-local-reply"
+        ext_proc = filters[name]["extension_config"]["typed_config"]
+        assert ext_proc["processing_mode"]["request_header_mode"] == "SKIP"
+        assert ext_proc["processing_mode"]["response_header_mode"] == "SEND"
+        assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == ["lig"]
+        failure_modes[name] = ext_proc["failure_mode_allow"]
+    assert failure_modes == {"lig.response_rewrite": False, "lig.response_rewrite_events": True}
+    mappers = manager["local_reply_config"]["mappers"]
+    assert all(m["headers_to_add"][0]["header"]["key"] == "x-gateway-local-reply"
+               for m in mappers)
+    assert {"remove": "x-gateway-local-reply"} in filters["envoy.filters.http.header_mutation"][
+        "mutations"]["response_mutations"]

@@ -132,6 +132,9 @@ def test_resolved_target_rewrites_body_content_length_and_the_response() -> None
     assert msgspec.json.decode(body) == {"model": "chat-v2", "max_tokens": 5}
     assert set_headers(common)["content-length"] == str(len(body)).encode()
     assert set_headers(common)[REWRITE_HEADER] == b"chat"  # enables Envoy's rewrite filter
+    # ... whose streams start with the response headers and learn the name from here.
+    assert json_format.MessageToDict(answer.dynamic_metadata)["lig"] == {
+        "requested_model": "chat"}
 
     (headers_answer,) = exchange.handle(response_headers(b"application/json"))
     assert headers_answer.mode_override.response_body_mode == BUFFERED
@@ -163,6 +166,35 @@ def test_rewrite_filter_stream_puts_the_requested_name_back() -> None:
         "model": "llama/3 chat\u00e9"}
     exchange.close()
     assert exchange._p.pods.in_flight() == {}
+
+
+@pytest.mark.parametrize("content_type, mode", [(b"application/json", BUFFERED),
+                                                (b"text/event-stream", STREAMED)])
+def test_rewrite_stream_starting_at_the_response_takes_the_name_from_metadata(
+        content_type: bytes, mode: int) -> None:
+    exchange = Exchange(make_processor())
+    message = response_headers(content_type)
+    message.protocol_config.request_body_mode = NONE
+    message.protocol_config.response_body_mode = NONE
+    message.metadata_context.filter_metadata["lig"].fields[
+        "requested_model"].string_value = "llama/3 chat\u00e9"
+    (headers_answer,) = exchange.handle(message)
+    assert headers_answer.mode_override.response_body_mode == mode
+    assert headers_answer.mode_override.request_body_mode == NONE
+    (body_answer,) = exchange.handle(response_body(
+        b'{"model": "target"}' if mode == BUFFERED else b'data: {"model": "target"}\n\n'))
+    assert b'"model":"llama/3 chat\xc3\xa9"' in (
+        body_answer.response_body.response.body_mutation.body)
+    exchange.close()
+    assert exchange._p.pods.in_flight() == {}
+
+
+def test_rewrite_stream_without_the_name_passes_the_response_unchanged() -> None:
+    exchange = Exchange(make_processor())
+    message = response_headers(b"application/json")
+    message.protocol_config.response_body_mode = NONE
+    assert exchange.handle(message) == (exchange._p.response_headers_continue,)
+    exchange.close()
 
 
 def test_event_stream_response_is_streamed_without_content_length() -> None:

@@ -104,7 +104,14 @@ def render_envoy_config(**options: Any) -> str:
 
 def dump_envoy_config(config: dict[str, Any]) -> str:
     """``config`` as YAML text for Envoy's ``--config-path`` (a ``.yaml`` file)."""
-    return yaml.safe_dump(config, sort_keys=False)
+    return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Writes the template's shared parts (YAML anchors) out in full: plainer to read."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any]:

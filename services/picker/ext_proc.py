@@ -8,12 +8,15 @@ header, the ``envoy.lb`` dynamic metadata, and the rewritten body with its ``con
 Errors become an ImmediateResponse with an OpenAI-shaped JSON body; the stream stays healthy.
 
 When a request was resolved to a different target model, the routing answer also sets
-``x-gateway-model-rewrite`` (the requested name, percent-encoded). The shipped Envoy bootstrap runs
-a second ext_proc filter only for such requests; on its stream the picker answers the response
-headers with a ``mode_override`` asking for the response body (BUFFERED for JSON, STREAMED for
-Server-Sent Events) and rewrites ``model`` back to the name the client asked for. Every other
-request costs the picker two messages. (An Envoy that sends response headers on the routing
-stream itself gets the same treatment there.)
+``x-gateway-model-rewrite`` (the requested name, percent-encoded) and the requested name in the
+``lig`` dynamic metadata. The shipped Envoy bootstrap runs a second ext_proc filter only for such
+requests; its stream starts with the response headers (carrying that metadata), so it is opened
+on a picker alive when the response arrives, and the picker answers with a ``mode_override``
+asking for the response body (BUFFERED for JSON, STREAMED for Server-Sent Events) and rewrites
+``model`` back to the name the client asked for. Every other request costs the picker two
+messages. (A stream that starts with request headers carrying ``x-gateway-model-rewrite``, as
+earlier bootstraps sent, and an Envoy that sends response headers on the routing stream itself
+get the same treatment.)
 
 :class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
 :class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`services.picker.http2`), and
@@ -49,6 +52,10 @@ NONE, STREAMED, BUFFERED = Mode.NONE, Mode.STREAMED, Mode.BUFFERED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EVENT_STREAM = b"text/event-stream"
 REWRITE_HEADER = "x-gateway-model-rewrite"
+# Dynamic metadata namespace and key naming the requested model for the response-rewrite filters
+# (Envoy forwards the namespace to their streams, which start with the response headers).
+METADATA_NAMESPACE = "lig"
+REQUESTED_MODEL_KEY = "requested_model"
 
 
 def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
@@ -123,6 +130,8 @@ class Processor:
             _set_header(mutation, "content-length", str(len(routed.body)).encode())
             _set_header(mutation, REWRITE_HEADER,
                         urllib.parse.quote(routed.model, safe="").encode())
+            reply.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[
+                REQUESTED_MODEL_KEY].string_value = routed.model
         else:  # a client-supplied value must not switch the response rewrite on
             mutation.remove_headers.append(REWRITE_HEADER)
         common.clear_route_cache = True
@@ -175,6 +184,8 @@ class Exchange:
         if kind == "request_headers":
             return self._request_headers(message)
         if kind == "response_headers":
+            if self._rewrite_to is None and message.HasField("protocol_config"):
+                self._start_with_response(message)  # a response-rewrite filter's stream
             return self._response_headers(message.response_headers)
         if kind == "response_body":
             return self._response_body(message.response_body)
@@ -276,6 +287,17 @@ class Exchange:
         return tuple(replies)
 
     # --- response ------------------------------------------------------------------------
+
+    def _start_with_response(self, message: pb.ProcessingRequest) -> None:
+        """A stream whose first message is the response headers: the body mode Envoy uses, and
+        the requested name from the routing answer's dynamic metadata (when it was rewritten)."""
+        self._request_mode = message.protocol_config.request_body_mode
+        self._response_mode = message.protocol_config.response_body_mode
+        fields = message.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+        if fields is not None:
+            requested = fields.fields.get(REQUESTED_MODEL_KEY)
+            if requested is not None and requested.string_value:
+                self._rewrite_to = requested.string_value
 
     def _response_headers(self, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, ...]:
         rewrite_to = self._rewrite_to
