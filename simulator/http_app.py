@@ -8,10 +8,12 @@ Routes, as vLLM's OpenAI-compatible server answers them:
   name that is neither the base model nor a configured adapter gets vLLM's 404.
 - ``GET /v1/models`` (base model and adapters), ``GET /health``, ``GET /metrics``.
 - ``GET /admin/faults`` and ``POST /admin/faults`` (the simulator's own): read or change
-  ``{"failure_rate": 0..1, "metrics_delay": wall seconds, "hang": bool}``. A POST changes only the
-  fields it names. ``failure_rate`` answers that fraction of completions with a 500;
-  ``metrics_delay`` holds ``/metrics`` answers; ``hang`` holds every request except ``/admin``
-  until it is cleared.
+  ``{"failure_rate": 0..1, "metrics_delay": wall seconds, "hang": bool, "gray": "" | "hang" |
+  "error"}``. A POST changes only the fields it names. ``failure_rate`` answers that fraction of
+  completions with a 500; ``metrics_delay`` holds ``/metrics`` answers; ``hang`` holds every
+  request except ``/admin`` until it is cleared. ``gray`` makes a gray pod: ``/metrics``,
+  ``/health`` and ``/v1/models`` answer as usual (an idle pod), but completions are held
+  without an answer until it is cleared (``"hang"``) or answered 500 at once (``"error"``).
 
 Latencies inside the engine are simulated seconds; with ``time_scale`` 10, a client sees them ten
 times shorter on the wall clock.
@@ -54,6 +56,7 @@ from simulator.virtual_time import engine_rng
 
 log = logging.getLogger("lig.sim")
 _json = msgspec.json.Encoder()
+GRAY_MODES = ("", "hang", "error")
 
 
 class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -65,6 +68,9 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Wall seconds every ``/metrics`` answer is held."""
     hang: bool = False
     """Hold every request except ``/admin/*`` until cleared."""
+    gray: str = ""
+    """Completions only: ``"hang"`` holds them until cleared, ``"error"`` answers 500 at once;
+    everything else (metrics showing an idle pod, health) is served as usual."""
 
     def validate(self) -> Faults:
         """Return self, or raise ValueError naming the field out of range."""
@@ -72,6 +78,8 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("failure_rate must be between 0 and 1")
         if not 0.0 <= self.metrics_delay <= 3600.0:
             raise ValueError("metrics_delay must be between 0 and 3600 seconds")
+        if self.gray not in GRAY_MODES:
+            raise ValueError(f"gray must be one of {', '.join(map(repr, GRAY_MODES))}")
         return self
 
 
@@ -104,6 +112,9 @@ class SimulatedPod:
         self._unhung = asyncio.Event()
         if not self.faults.hang:
             self._unhung.set()
+        self._ungray = asyncio.Event()
+        if self.faults.gray != "hang":
+            self._ungray.set()
         # Separate streams, so that faults never change which outputs the engine sees.
         self._output_rng = random.Random(settings.seed * 7_919 + settings.index)
         self._fault_rng = random.Random(settings.seed * 104_729 + settings.index)
@@ -147,6 +158,10 @@ class SimulatedPod:
             self._unhung.clear()
         else:
             self._unhung.set()
+        if faults.gray == "hang":
+            self._ungray.clear()
+        else:
+            self._ungray.set()
 
     async def handle(self, request: HttpRequest) -> Response | StreamResponse:
         """Answer one HTTP request."""
@@ -208,10 +223,14 @@ class SimulatedPod:
         return await self._generate(request, chat=True)
 
     async def _generate(self, http: HttpRequest, chat: bool) -> Response | StreamResponse:
+        if self.faults.gray == "hang":
+            await self._ungray.wait()  # what the metrics say stays true: nothing runs
         try:
             call = parse_completion(http.body, chat, self.settings.engine.model)
             if call.model not in self._models:
                 raise ApiError(404, f"The model `{call.model}` does not exist.")
+            if self.faults.gray == "error":
+                raise ApiError(500, "simulated failure (gray fault)")
             if self._fault_rng.random() < self.faults.failure_rate:
                 raise ApiError(500, "simulated failure (failure_rate fault)")
             request, words = self._submit(call)

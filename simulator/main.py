@@ -15,7 +15,7 @@ import msgspec
 from shared.logs import add_logging_arguments, setup_logging
 from shared.service import run_service
 from simulator.engine import EngineConfig
-from simulator.http_app import Faults, PodSettings, SimulatedPod
+from simulator.http_app import GRAY_MODES, Faults, PodSettings, SimulatedPod
 from simulator.metrics_page import FORMATS
 from simulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
@@ -65,6 +65,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--metrics-delay", type=float, default=0.0, help="fault: wall seconds /metrics waits"
     )
     parser.add_argument("--hang", action="store_true", help="fault: hold all requests")
+    parser.add_argument(
+        "--gray-pod", action="append", type=int, default=[], metavar="INDEX",
+        help="fault: pod INDEX (0-based, repeatable) is gray: its /metrics shows an idle pod, "
+        "but completions get no answer (--gray-mode hang) or a 500 at once (error); "
+        "POST /admin/faults {\"gray\": \"\"} heals it",
+    )
+    parser.add_argument("--gray-mode", choices=GRAY_MODES[1:], default="hang",
+                        help="how the --gray-pod pods fail")
     add_logging_arguments(parser)
 
 
@@ -102,6 +110,10 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
     if engine.max_loras < 1 or engine.max_num_seqs < 1 or engine.max_num_batched_tokens < 1:
         raise ValueError("--max-loras, --max-num-seqs, --max-num-batched-tokens must be >= 1")
     faults = Faults(args.failure_rate, args.metrics_delay, args.hang).validate()
+    gray = set(args.gray_pod)
+    if not gray <= set(range(args.pods)):
+        raise ValueError("--gray-pod must name pods 0..--pods-1")
+    gray_faults = msgspec.structs.replace(faults, gray=args.gray_mode)
     return [
         PodSettings(
             engine=engine,
@@ -110,7 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
             metrics_format=args.metrics_format,
             seed=args.seed,
             output_len_median=args.output_len_median,
-            faults=faults,
+            faults=gray_faults if index in gray else faults,
         )
         for index in range(args.pods)
     ]

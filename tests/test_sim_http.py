@@ -414,3 +414,37 @@ def test_invalid_settings_are_refused_before_serving() -> None:
     settings = sim_main.settings_from_args(parser.parse_args(["--pods", "3", "--lora", "a"]))
     assert [pod.index for pod in settings] == [0, 1, 2]
     assert settings[0].engine.adapters == ("a",)
+
+
+@pytest.mark.parametrize("mode", ["hang", "error"])
+def test_a_gray_pod_reports_idle_metrics_but_fails_completions(
+        client: httpx.Client, mode: str) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    with SimulatedPods(2, time_scale=20, model=MODEL,
+                       extra_args=("--gray-pod", "1", "--gray-mode", mode)) as gray:
+        assert client.post(gray.url(0) + "/v1/completions", json=body).status_code == 200
+        if mode == "hang":
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(gray.url(1) + "/v1/completions", json=body, timeout=0.5)
+        else:
+            started = time.monotonic()
+            failed = client.post(gray.url(1) + "/v1/completions", json=body)
+            assert failed.status_code == 500 and time.monotonic() - started < 0.5
+        page = metrics(client, gray.url(1))  # answered at once, and idle
+        assert sample(page, "vllm:num_requests_running") == 0
+        assert sample(page, "vllm:num_requests_waiting") == 0
+        assert client.get(gray.url(1) + "/admin/faults").json()["gray"] == mode
+        assert gray.set_faults(1, gray="")["gray"] == ""  # healed at run time
+        assert client.post(gray.url(1) + "/v1/completions", json=body).status_code == 200
+        assert client.post(gray.url(0) + "/admin/faults",
+                           json={"gray": "sometimes"}).status_code == 400
+
+
+def test_gray_pod_must_name_a_pod() -> None:
+    parser = argparse.ArgumentParser()
+    sim_main.configure(parser)
+    with pytest.raises(ValueError, match="--gray-pod"):
+        sim_main.settings_from_args(parser.parse_args(["--pods", "2", "--gray-pod", "2"]))
+    settings = sim_main.settings_from_args(parser.parse_args(
+        ["--pods", "3", "--gray-pod", "1", "--gray-mode", "error"]))
+    assert [pod.faults.gray for pod in settings] == ["", "error", ""]

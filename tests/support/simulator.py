@@ -142,8 +142,9 @@ class SimulatedPods:
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
 
-    def set_faults(self, index: int, **faults: float | bool) -> dict[str, Any]:
-        """Change pod ``index``'s faults (``failure_rate``, ``metrics_delay``, ``hang``)."""
+    def set_faults(self, index: int, **faults: float | bool | str) -> dict[str, Any]:
+        """Change pod ``index``'s faults (``failure_rate``, ``metrics_delay``, ``hang``,
+        ``gray``)."""
         response = httpx.post(self.url(index) + "/admin/faults", json=faults, timeout=5.0)
         response.raise_for_status()
         return response.json()
