@@ -68,6 +68,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the internal services on any free ports instead of their "
                              "defaults (NATS 4222, pods 8000+, pickers 9002/9003/9090 + 100 per "
                              "replica, collector 9091, registry 9092, Envoy admin 9901)")
+    parser.add_argument("--response-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="Envoy answers 504 (upstream_timeout) when a model server sends "
+                             "nothing for this long: no response start (a hung pod) or a "
+                             "stalled stream. Must exceed your longest non-streaming "
+                             "completion, which sends nothing until it is done")
     parser.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR),
                         help="folder for logs, NATS data and generated configuration")
     parser.add_argument("--ready-timeout", type=float, default=60.0,
@@ -101,6 +106,8 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     """Decide ports, files and commands; write the generated configuration files."""
     if args.pods < 1 or args.pickers < 1:
         raise ValueError("--pods and --pickers must be at least 1")
+    if args.response_timeout <= 0:
+        raise ValueError("--response-timeout must be positive")
     state_dir: Path = args.state_dir.resolve()
     simulate = args.config is None
     config_path = EXAMPLE_CONFIG if simulate else args.config.resolve()
@@ -139,6 +146,7 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     envoy_config.write_text(render_envoy_config(
         listener_port=ports.gateway, admin_port=ports.envoy_admin, listener_host=LOOPBACK,
         pickers=[(LOOPBACK, p.grpc, p.health) for p in ports.pickers],
+        response_timeout=args.response_timeout,
     ))
     return plan, registry
 

@@ -94,3 +94,21 @@ def test_response_rewrite_filters_start_at_the_response_and_skip_envoys_own_repl
                for m in mappers)
     assert {"remove": "x-gateway-local-reply"} in filters["envoy.filters.http.header_mutation"][
         "mutations"]["response_mutations"]
+
+
+def test_response_timeout_is_rendered_as_the_routes_idle_limit_per_try(tmp_path: Path) -> None:
+    def route(config: dict[str, object]) -> dict[str, object]:
+        manager = config["static_resources"]["listeners"][0][  # type: ignore[index]
+            "filter_chains"][0]["filters"][0]["typed_config"]
+        return manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+
+    shipped = route(yaml.safe_load(TEMPLATE.read_text()))
+    assert shipped["retry_policy"] == {"num_retries": 0, "per_try_idle_timeout": "120s"}
+    text = render_envoy_config(listener_port=18080, admin_port=19901, response_timeout=2.5,
+                               pickers=[PickerEndpoint("127.0.0.1", 19002, 19003)])
+    assert route(yaml.safe_load(text))["retry_policy"]["per_try_idle_timeout"] == "2.5s"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    assert validate(path).returncode == 0
+    with pytest.raises(ValueError):
+        envoy_config(listener_port=1, admin_port=2, pickers=[("h", 1, 2)], response_timeout=0)

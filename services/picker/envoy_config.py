@@ -44,9 +44,14 @@ def envoy_config(
     admin_host: str = "127.0.0.1",
     destination_header: str = DESTINATION_HEADER,
     picker_tls: PickerTls | None = None,
+    response_timeout: float | None = None,
     template: Path = TEMPLATE,
 ) -> dict[str, Any]:
-    """The bootstrap as a dict; pickers as :class:`PickerEndpoint` or ``(host, grpc, health)``."""
+    """The bootstrap as a dict; pickers as :class:`PickerEndpoint` or ``(host, grpc, health)``.
+
+    ``response_timeout``: seconds a model server may send nothing (before its response starts,
+    or within a stream) before Envoy answers 504; None keeps the template's (120 s).
+    """
     if not pickers:
         raise ValueError("Envoy needs at least one picker")
     pickers = [p if isinstance(p, PickerEndpoint) else PickerEndpoint(*p) for p in pickers]
@@ -74,6 +79,12 @@ def envoy_config(
     ]}]
     if picker_tls is not None:
         _use_tls(picker, picker_tls)
+    if response_timeout is not None:
+        if response_timeout <= 0:
+            raise ValueError("the response timeout must be positive")
+        route = _named(_gateway_manager(config)["route_config"]["virtual_hosts"],
+                       "model_servers")["routes"][0]["route"]
+        route["retry_policy"]["per_try_idle_timeout"] = f"{response_timeout:g}s"
     return config
 
 
@@ -120,9 +131,12 @@ def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gateway_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return _named(_gateway_manager(config)["http_filters"], name)["typed_config"]
+
+
+def _gateway_manager(config: dict[str, Any]) -> dict[str, Any]:
     gateway = _named(config["static_resources"]["listeners"], "gateway")
-    manager = gateway["filter_chains"][0]["filters"][0]["typed_config"]
-    return _named(manager["http_filters"], name)["typed_config"]
+    return gateway["filter_chains"][0]["filters"][0]["typed_config"]
 
 
 def _named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:

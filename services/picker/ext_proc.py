@@ -93,18 +93,23 @@ class Processor:
             request_trailers=pb.TrailersResponse())
         self.response_trailers_continue = pb.ProcessingResponse(
             response_trailers=pb.TrailersResponse())
-        self._headers_then_buffered: dict[int, pb.ProcessingResponse] = {}
+        self._headers_overridden: dict[tuple[int, bool], pb.ProcessingResponse] = {}
 
-    def headers_continue_buffered(self, response_body_mode: int) -> pb.ProcessingResponse:
+    def headers_continue_buffered(self, response_body_mode: int,
+                                  report_status: bool = False) -> pb.ProcessingResponse:
         """CONTINUE that also switches the request body to BUFFERED (both body modes restated,
-        since Envoy copies both from an override)."""
-        reply = self._headers_then_buffered.get(response_body_mode)
+        since Envoy copies both from an override) and, with ``report_status``, asks for the
+        response headers on this stream (the gray-pod guard's outcome sample)."""
+        key = (response_body_mode, report_status)
+        reply = self._headers_overridden.get(key)
         if reply is None:
             reply = pb.ProcessingResponse()
             reply.CopyFrom(self.headers_continue)
             reply.mode_override.request_body_mode = BUFFERED
             reply.mode_override.response_body_mode = response_body_mode
-            self._headers_then_buffered[response_body_mode] = reply
+            if report_status:
+                reply.mode_override.response_header_mode = Mode.SEND
+            self._headers_overridden[key] = reply
         return reply
 
     def route(self, body: bytes | None) -> Routed | Rejected:
@@ -161,8 +166,9 @@ class Processor:
 class Exchange:
     """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
 
-    __slots__ = ("_chunks", "_held_chunks", "_hold_headers", "_p", "_request_mode",
-                 "_response_buffered", "_response_mode", "_rewrite_to", "_rewriter", "routed")
+    __slots__ = ("_chunks", "_held_chunks", "_hold_headers", "_p", "_reports_status",
+                 "_request_mode", "_response_buffered", "_response_mode", "_rewrite_to",
+                 "_rewriter", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
@@ -175,6 +181,7 @@ class Exchange:
         self._rewriter: ResponseRewriter | None = None
         self._rewrite_to: str | None = None  # the requested name, when the response needs it
         self._response_buffered = False
+        self._reports_status = False  # Envoy sends this stream the response headers for it
 
     def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
         """The answers to ``message`` (none while its answer must wait for more body)."""
@@ -225,11 +232,13 @@ class Exchange:
             return (self._answer_headers_with(self._p.route(None)),)
         if self._hold_headers:
             return ()
-        if self._request_mode == STREAMED:
-            # Envoy would send the headers upstream before the body (and so the destination)
-            # is known: ask for the body buffered instead. Chunks are still accumulated below
-            # should Envoy not allow the override.
-            return (self._p.headers_continue_buffered(self._response_mode),)
+        self._reports_status = self._p.pods.gray.wants_outcome()
+        if self._request_mode == STREAMED or self._reports_status:
+            # STREAMED: Envoy would send the headers upstream before the body (and so the
+            # destination) is known: ask for the body buffered instead. Chunks are still
+            # accumulated below should Envoy not allow the override.
+            return (self._p.headers_continue_buffered(self._response_mode,
+                                                      self._reports_status),)
         return (self._p.headers_continue,)
 
     def _answer_headers_with(self, result: Routed | Rejected) -> pb.ProcessingResponse:
@@ -300,6 +309,11 @@ class Exchange:
                 self._rewrite_to = requested.string_value
 
     def _response_headers(self, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, ...]:
+        if self._reports_status:
+            self._reports_status = False
+            if self.routed is not None:
+                self._p.pods.responded(self.routed.pod, _status(headers))
+            return (self._p.response_headers_continue,)  # the rewrite filters do the rest
         rewrite_to = self._rewrite_to
         if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
             return (self._p.response_headers_continue,)
@@ -348,6 +362,12 @@ def _header(headers: pb.HttpHeaders, key: str) -> bytes | None:
         if header.key == key:
             return header.raw_value or header.value.encode()
     return None
+
+
+def _status(headers: pb.HttpHeaders) -> int:
+    """The response's ``:status`` (0 when missing or not a number)."""
+    status = _header(headers, ":status")
+    return int(status) if status is not None and status.isdigit() else 0
 
 
 def _is_event_stream(headers: pb.HttpHeaders) -> bool:

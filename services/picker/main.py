@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
+from services.picker.gray_pods import GrayPods
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
@@ -86,6 +87,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "that the requests of one scrape interval spread over the pods instead "
                         "of all going to the least loaded one; --no-load-estimate decides on the "
                         "scraped metrics alone, as upstream")
+    parser.add_argument("--gray-after", type=float, default=2.0,
+                        help="seconds after which a request this picker sent to a pod, still "
+                        "unfinished, shows the pod gray if the pod reports fewer running and "
+                        "waiting requests than it has such requests (it is not running them); "
+                        "a gray pod is left out for a cool-off (5 s, doubling on repeats), then "
+                        "gets one request at a time until one succeeds. 0 disables this check")
+    parser.add_argument("--outcome-sample", type=int, default=4, metavar="N",
+                        help="ask Envoy for the response status of one request in N (and of "
+                        "every request while a pod is left out or on probation); a pod whose "
+                        "recent responses are mostly 5xx is gray. 0 never asks")
     parser.add_argument("--destination-header", default="x-gateway-destination-endpoint",
                         help="request header naming the chosen pod (ip:port) for Envoy")
     parser.add_argument("--seed", type=int, default=None,
@@ -104,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     args.tls = tls_from_args(args)  # wrong TLS flags fail here, before any worker starts
     if args.stale_after <= 0:
         raise SystemExit("--stale-after must be positive")
+    if args.gray_after < 0 or args.outcome_sample < 0:
+        raise SystemExit("--gray-after and --outcome-sample must not be negative")
     setup_logging("picker", args.log_level)
     if args.workers > 1:
         from services.picker.workers import supervise
@@ -194,7 +207,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     # the default 5 ms GIL switch interval that hand-off waits behind any busy Python code.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     metrics = PickerMetrics(registry)
-    pods = PodTable(args.stale_after, load_estimate=args.load_estimate)
+    pods = PodTable(args.stale_after, load_estimate=args.load_estimate,
+                    gray=GrayPods(args.gray_after, args.outcome_sample))
     router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
     processor = Processor(router, pods, metrics, args.destination_header)
 

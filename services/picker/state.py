@@ -9,7 +9,9 @@ tree would never offer such a pod to adapter requests; instead it is assumed to 
 capacity any pod of the pool has reported (a pool runs one vLLM configuration).
 
 Unless disabled, a view's ``waiting`` also counts requests this picker routed to the pod since its
-newest snapshot (see ``services/picker/load_estimate.py``).
+newest snapshot (see ``services/picker/load_estimate.py``). Pods whose requests hang or fail
+while their metrics look healthy are left out (``services/picker/gray_pods.py``), unless that
+would leave no pod at all.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from services.picker.gray_pods import GrayPods
 from services.picker.load_estimate import UnreportedLoad, picker_views
 from services.picker.scheduling.types import PodView
 from shared.schemas import Endpoint, PodMetrics
@@ -46,11 +49,12 @@ class Freshness(msgspec.Struct, frozen=True):
 class PodTable:
     """Member endpoints of one pool with their newest metric snapshots and in-flight counts.
 
-    ``load_estimate=False`` leaves the scraped ``waiting`` uncorrected (upstream's behaviour).
+    ``load_estimate=False`` leaves the scraped ``waiting`` uncorrected (upstream's behaviour);
+    ``gray`` is the gray-pod guard (its defaults when None).
     """
 
     def __init__(self, stale_after: float, clock: Callable[[], float] = time.monotonic,
-                 load_estimate: bool = True) -> None:
+                 load_estimate: bool = True, gray: GrayPods | None = None) -> None:
         self.stale_after = stale_after
         self._clock = clock
         self._entries: dict[str, _PodEntry] = {}
@@ -59,6 +63,7 @@ class PodTable:
         self._in_flight: dict[str, int] = {}
         self._unreported = UnreportedLoad(load_estimate)
         self._max_lora_seen = 0
+        self.gray = gray if gray is not None else GrayPods()
 
     # --- registry membership -------------------------------------------------------------
 
@@ -73,6 +78,7 @@ class PodTable:
         self._endpoints = {endpoint.name: endpoint for endpoint in self._endpoint_list}
         for name in [name for name in self._entries if name not in self._endpoints]:
             del self._entries[name]
+        self.gray.forget(set(self._endpoints))
         # A snapshot that arrived before the registry named its pod has no view yet.
         for name, entry in self._entries.items():
             entry.view = _view(entry.snapshot, self._endpoints[name])
@@ -103,8 +109,10 @@ class PodTable:
         return any(name in self._endpoints for name in self._entries)
 
     def fresh_views(self) -> list[PodView]:
-        """Member pods whose newest snapshot is recent and from a successful scrape."""
-        oldest = self._clock() - self.stale_after
+        """Member pods whose newest snapshot is recent and from a successful scrape, without the
+        gray ones (unless every one is gray)."""
+        now = self._clock()
+        oldest = now - self.stale_after
         max_lora_seen = self._max_lora_seen
         views = []
         for name in self._endpoints:
@@ -115,6 +123,9 @@ class PodTable:
             if entry.snapshot.max_lora is None and max_lora_seen:
                 view = msgspec.structs.replace(view, max_lora=max_lora_seen)
             views.append(view)
+        gray = self.gray.excluded(views, now)
+        if gray and len(gray) < len(views):
+            views = [view for view in views if view.name not in gray]
         return picker_views(views, self._in_flight, self._unreported.counts)
 
     def freshness(self, wall_clock_ns: int | None = None) -> Freshness:
@@ -139,6 +150,7 @@ class PodTable:
         """Count a request sent to ``pod`` until :meth:`finished`, and until its next snapshot."""
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
         self._unreported.routed(pod)
+        self.gray.started(pod, self._clock())
 
     def finished(self, pod: str) -> None:
         """The request to ``pod`` has ended (response done or stream closed)."""
@@ -147,6 +159,11 @@ class PodTable:
             self._in_flight[pod] = count
         else:
             self._in_flight.pop(pod, None)
+        self.gray.finished(pod)
+
+    def responded(self, pod: str, status: int) -> None:
+        """The response to a request sent to ``pod`` started with ``status``."""
+        self.gray.responded(pod, status, self._clock())
 
     def in_flight(self) -> dict[str, int]:
         """Requests in flight per pod (pods with none are absent)."""

@@ -1,0 +1,195 @@
+"""Gray pods: the guard's logic on a fake clock, then a whole ``lig up`` stack with one gray pod.
+
+The end-to-end test runs ``lig up`` as a user would (NATS, registry, collector, two pickers,
+Envoy, four simulated pods), with pod 0 gray (``lig sim --gray-pod 0``): its ``/metrics`` shows
+an idle pod while its completions hang (or fail at once). Under a bounded load through Envoy,
+after the first seconds the pickers send it less than 2% of the requests, and no request waits
+longer than the response timeout (``lig up --response-timeout``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lig.status import PICKER_REQUESTS_FAMILY
+from lig.topology import StackInfo
+from services.picker.gray_pods import BASE_COOL_OFF, GrayPods
+from services.picker.scheduling.types import PodView
+from tests.support.ports import free_port
+
+IDLE = {"a": PodView("a", "10.0.0.1:8000"), "b": PodView("b", "10.0.0.2:8000")}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+
+def test_requests_older_than_the_pod_admits_make_it_gray_until_a_probe_succeeds() -> None:
+    guard = GrayPods(gray_after=2.0, sample_every=0)
+    clock = Clock()
+    guard.started("a", clock.now)
+    views = list(IDLE.values())
+    clock.now += 1.9
+    assert guard.excluded(views, clock.now) == set()  # not old yet
+    clock.now += 0.2
+    busy = PodView("a", "10.0.0.1:8000", running=1)
+    assert guard.excluded([busy, IDLE["b"]], clock.now) == set()  # the pod runs it: fine
+    assert guard.excluded(views, clock.now) == {"a"}  # idle, yet our request is not done
+    assert guard.wants_outcome()  # while a pod is suspect, every request reports its status
+    guard.finished("a")
+    clock.now += BASE_COOL_OFF - 0.1
+    assert guard.excluded(views, clock.now) == {"a"}  # cool-off
+    clock.now += 0.2
+    assert guard.excluded(views, clock.now) == set()  # probation: one request at a time
+    guard.started("a", clock.now)
+    assert guard.excluded(views, clock.now) == {"a"}
+    guard.responded("a", 200, clock.now)
+    guard.finished("a")
+    assert guard.excluded(views, clock.now) == set()
+    guard.started("a", clock.now)
+    assert guard.excluded(views, clock.now) == set()  # cleared: no longer one at a time
+    assert not guard.wants_outcome()
+
+
+def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -> None:
+    guard = GrayPods(gray_after=0, sample_every=2)
+    clock = Clock()
+    assert [guard.wants_outcome() for _ in range(4)] == [False, True, False, True]
+    views = list(IDLE.values())
+    guard.responded("a", 500, clock.now)
+    guard.responded("a", 200, clock.now)
+    assert guard.excluded(views, clock.now) == set()
+    guard.responded("a", 503, clock.now)
+    assert guard.excluded(views, clock.now) == {"a"}  # 2 of 3
+    clock.now += BASE_COOL_OFF + 0.1
+    assert guard.excluded(views, clock.now) == set()
+    guard.responded("a", 500, clock.now)  # the probe fails: out again, for twice as long
+    clock.now += 2 * BASE_COOL_OFF - 0.1
+    assert guard.excluded(views, clock.now) == {"a"}
+    clock.now += 0.2
+    assert guard.excluded(views, clock.now) == set()
+    assert [guard.wants_outcome() for _ in range(2)] == [True, True]  # "a" is on probation
+    guard.forget({"b"})  # "a" left the pool: back to one request in two
+    assert sorted(guard.wants_outcome() for _ in range(2)) == [False, True]
+
+
+class Stack:
+    """A ``lig up`` process on free ports."""
+
+    def __init__(self, state_dir: Path, gray_mode: str, response_timeout: float) -> None:
+        self.port = free_port()
+        self.state_dir = state_dir
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lig.cli", "up", "--free-ports", "--port", str(self.port),
+             "--state-dir", str(state_dir), "--response-timeout", str(response_timeout),
+             "--sim-args", f"--gray-pod 0 --gray-mode {gray_mode} --time-scale 20"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=Path(__file__).parents[1], start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("lig up: ready"):
+                self.ready.set()
+
+    def wait_ready(self, within: float = 50) -> None:
+        deadline = time.monotonic() + within
+        while not self.ready.wait(0.2):
+            assert self.process.poll() is None, "\n".join(self.lines)
+            assert time.monotonic() < deadline, "\n".join(self.lines)
+
+    def routed_by_pod(self) -> Counter[str]:
+        """Requests both pickers routed, by pod."""
+        counts: Counter[str] = Counter()
+        info = StackInfo.read(self.state_dir)
+        assert info is not None
+        for url in info.picker_metrics:
+            page = httpx.get(url, timeout=5).text
+            for family in text_string_to_metric_families(page):
+                if family.name != PICKER_REQUESTS_FAMILY:
+                    continue
+                for sample in family.samples:
+                    if sample.name.endswith("_total") and sample.labels["outcome"] == "routed":
+                        counts[sample.labels["pod"]] += int(sample.value)
+        return counts
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@pytest.fixture(params=["hang", "error"])
+def gray_stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path / "state", request.param, response_timeout=3.0)
+    try:
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: Stack) -> None:
+    warm_up, duration, clients, max_requests = 5.0, 15.0, 6, 6_000
+    results: list[tuple[int, float, str]] = []
+    stop = threading.Event()
+    body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": "hi", "max_tokens": 4}
+
+    def client() -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{gray_stack.port}", timeout=15) as http:
+            while not stop.is_set() and len(results) < max_requests:
+                started = time.monotonic()
+                try:
+                    response = http.post("/v1/completions", json=body)
+                except httpx.TimeoutException:  # the client gave up: a hang
+                    results.append((0, time.monotonic() - started, "client timeout"))
+                    continue
+                code = "" if response.status_code == 200 else str(response.json()["error"]["code"])
+                results.append((response.status_code, time.monotonic() - started, code))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(warm_up)
+        before = gray_stack.routed_by_pod()
+        time.sleep(duration - warm_up)
+        after = gray_stack.routed_by_pod()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(20)
+    routed = after - before
+    total = sum(routed.values())
+    print(f"gray pod's share after {warm_up:g}s: {routed['vllm-0']}/{total} "
+          f"({routed['vllm-0'] / max(total, 1):.2%}); first {warm_up:g}s: {dict(before)}; "
+          f"slowest request {max(elapsed for _, elapsed, _ in results):.2f}s; "
+          f"errors {Counter(code for _, _, code in results if code)}")
+    assert total > 200, routed
+    assert routed["vllm-0"] / total < 0.02, routed
+    # Nothing hangs past the response timeout (3 s); the gray pod's few answers are errors.
+    assert max(elapsed for _, elapsed, _ in results) < 3.0 + 1.5
+    assert {(status, code) for status, _, code in results} <= {
+        (200, ""), (500, "500"), (504, "upstream_timeout")}  # vLLM: code 500
