@@ -16,8 +16,9 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,7 +28,13 @@ from lig.status import PICKER_REQUESTS_FAMILY
 from lig.topology import StackInfo
 from services.picker.gray_pods import BASE_COOL_OFF, GrayPods
 from services.picker.scheduling.types import PodView
+from tests.support.envoy import EnvoyProcess
+from tests.support.fleet_feed import FleetFeed
+from tests.support.nats_server import NatsServer
+from tests.support.picker import PickerProcess
 from tests.support.ports import free_port
+from tests.support.simulator import SimulatedPods
+from tests.support.waiting import wait_until
 
 IDLE = {"a": PodView("a", "10.0.0.1:8000"), "b": PodView("b", "10.0.0.2:8000")}
 
@@ -84,6 +91,44 @@ def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -
     assert [guard.wants_outcome() for _ in range(2)] == [True, True]  # "a" is on probation
     guard.forget({"b"})  # "a" left the pool: back to one request in two
     assert sorted(guard.wants_outcome() for _ in range(2)) == [False, True]
+
+
+def test_envoy_outlier_detection_does_not_steer_original_dst(
+        tmp_path: Path, nats_server: NatsServer, simulated_pods: Callable[..., SimulatedPods],
+        picker_process: Callable[..., PickerProcess],
+        envoy_gateway: Callable[..., EnvoyProcess]) -> None:
+    """Why the pickers must leave gray pods out: Envoy ejects a pod answering 5xx, yet its
+    ORIGINAL_DST cluster goes on sending it what the destination header names."""
+    pods = simulated_pods(1, time_scale=20)
+    pods.set_faults(0, failure_rate=1.0)
+    feed = FleetFeed(nats_server.url, "pool", interval=0.1).start()
+    try:
+        feed.set_pool()
+        feed.set_endpoints({"failing": pods.address(0)})
+        feed.set_many({"failing": (pods.address(0), {"waiting": 0, "running": 0})})
+        picker = picker_process("pool", nats_server.url, extra_args=(
+            "--gray-after", "0", "--outcome-sample", "0"))  # the picker's own guard off
+        picker.wait_ready()
+
+        def outlier_detection(config: dict[str, Any]) -> None:
+            cluster = next(c for c in config["static_resources"]["clusters"]
+                           if c["name"] == "model_servers")
+            cluster["outlier_detection"] = {"consecutive_5xx": 3, "interval": "0.2s",
+                                            "base_ejection_time": "30s",
+                                            "max_ejection_percent": 100}
+
+        envoy = envoy_gateway([picker.endpoint], outlier_detection)
+        body = {"model": "sim-model", "prompt": "x", "max_tokens": 1}
+        with httpx.Client(base_url=envoy.url, timeout=5) as client:
+            assert [client.post("/v1/completions", json=body).status_code
+                    for _ in range(5)] == [500] * 5
+            wait_until(lambda: envoy.stats("cluster.model_servers.outlier_detection")[
+                "cluster.model_servers.outlier_detection.ejections_active"] == 1,
+                what="the failing pod ejected")
+            assert [client.post("/v1/completions", json=body).status_code
+                    for _ in range(5)] == [500] * 5  # still sent there
+    finally:
+        feed.stop()
 
 
 class Stack:
