@@ -1,0 +1,112 @@
+"""What the gray-pod guard's outcome sampling costs the picker, through a real Envoy.
+
+Two picker processes (the default built-in server) serve the same pool behind two Envoys: one
+with the default ``--outcome-sample 4`` (Envoy sends the response headers of one request in
+four on the routing stream, a third message), one with ``--outcome-sample 0`` (two messages per
+request, as before the guard). The same closed-loop load runs against each in alternation; the
+result is the median picker CPU per request of each and their ratio, plus throughput and p50.
+
+Run: ``.venv/bin/python bench/bench_outcome_sampling.py [--duration 4] [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_picker import POOL, closed_loop, cpu_seconds, request_bytes  # noqa: E402
+from services.picker.envoy_config import envoy_config  # noqa: E402
+from tests.support.envoy import EnvoyProcess  # noqa: E402
+from tests.support.fleet_feed import FleetFeed  # noqa: E402
+from tests.support.nats_server import NatsServer  # noqa: E402
+from tests.support.picker import PickerProcess  # noqa: E402
+from tests.support.ports import free_port, wait_for_port  # noqa: E402
+from tests.support.processes import die_with_parent  # noqa: E402
+
+VARIANTS = {"sampling 1 in 4 (default)": "4", "no sampling": "0"}
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Start the stack, measure each variant ``--rounds`` times, print medians and the ratio."""
+    with tempfile.TemporaryDirectory() as workdir:
+        nats = NatsServer(Path(workdir) / "jetstream")
+        nats.start()
+        port = free_port()
+        upstream = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.upstream", "--port", str(port),
+             "--name", "pod-0"], cwd=Path(__file__).resolve().parents[1],
+            preexec_fn=die_with_parent)
+        feed = FleetFeed(nats.url, POOL).start()
+        stack: dict[str, tuple[PickerProcess, EnvoyProcess]] = {}
+        try:
+            wait_for_port(port)
+            feed.set_pool(target_port=port)
+            feed.set_model("bench-model")
+            feed.set_endpoints({"pod-0": f"127.0.0.1:{port}"})
+            feed.set_metrics("pod-0", f"127.0.0.1:{port}", waiting=1, running=4,
+                             kv_cache_usage=0.3)
+            for name, sample in VARIANTS.items():
+                picker = PickerProcess(POOL, nats.url, Path(workdir), log_level="WARNING",
+                                       extra_args=("--outcome-sample", sample)).start()
+                picker.wait_ready()
+                envoy = EnvoyProcess(envoy_config(
+                    listener_port=free_port(), admin_port=free_port(),
+                    pickers=[picker.endpoint], listener_host="127.0.0.1"),
+                    Path(workdir)).start()
+                stack[name] = (picker, envoy)
+            payload = request_bytes("bench-model")
+            for _, envoy in stack.values():  # warm up
+                await closed_loop(envoy.listen_port, payload, 4, 1.0, 500)
+            cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            rate: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            p50: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            for _ in range(args.rounds):
+                for name, (picker, envoy) in stack.items():
+                    before = cpu_seconds(picker.pid)
+                    result = await closed_loop(envoy.listen_port, payload, args.connections,
+                                               args.duration, max_requests=args.max_requests)
+                    served = result.ok + result.failed
+                    cpu[name].append((cpu_seconds(picker.pid) - before) / served * 1e6)
+                    rate[name].append(result.rate)
+                    p50[name].append(result.percentile(0.5) * 1e3)
+        finally:
+            for picker, envoy in stack.values():
+                envoy.stop()
+                picker.stop()
+            feed.stop()
+            upstream.terminate()
+            upstream.wait(5)
+            nats.stop()
+    print(f"bench_outcome_sampling: medians of {args.rounds} rounds, {args.duration:g} s each, "
+          f"closed loop, {args.connections} connections")
+    print(f"{'picker':28} {'req/s':>8} {'p50 ms':>8} {'picker CPU us/req':>18}")
+    for name in VARIANTS:
+        print(f"{name:28} {statistics.median(rate[name]):8.0f} "
+              f"{statistics.median(p50[name]):8.2f} {statistics.median(cpu[name]):18.0f}")
+    names = list(VARIANTS)
+    ratio = statistics.median(cpu[names[0]]) / statistics.median(cpu[names[1]])
+    print(f"CPU per request, sampling / no sampling: {ratio:.2f}")
+    return 0
+
+
+def main() -> int:
+    """Parse the flags and run."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=16, help="closed-loop clients")
+    parser.add_argument("--max-requests", type=int, default=50_000,
+                        help="cap per closed-loop run")
+    return asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
