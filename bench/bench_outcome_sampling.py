@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_picker import POOL, closed_loop, cpu_seconds, request_bytes  # noqa: E402
-from services.picker.envoy_config import envoy_config  # noqa: E402
-from tests.support.envoy import EnvoyProcess  # noqa: E402
-from tests.support.fleet_feed import FleetFeed  # noqa: E402
-from tests.support.nats_server import NatsServer  # noqa: E402
-from tests.support.picker import PickerProcess  # noqa: E402
-from tests.support.ports import free_port, wait_for_port  # noqa: E402
-from tests.support.processes import die_with_parent  # noqa: E402
+from bench.bench_picker import POOL, closed_loop, cpu_seconds, request_bytes
+from services.picker.envoy_config import envoy_config
+from tests.support.envoy import EnvoyProcess
+from tests.support.fleet_feed import FleetFeed
+from tests.support.nats_server import NatsServer
+from tests.support.picker import PickerProcess
+from tests.support.ports import free_port, wait_for_port
+from tests.support.processes import die_with_parent
 
 VARIANTS = {"sampling 1 in 4 (default)": "4", "no sampling": "0"}
 
