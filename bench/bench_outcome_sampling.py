@@ -33,66 +33,86 @@ from tests.support.processes import die_with_parent
 VARIANTS = {"sampling 1 in 4 (default)": "4", "no sampling": "0"}
 
 
-async def run(args: argparse.Namespace) -> int:
-    """Start the stack, measure each variant ``--rounds`` times, print medians and the ratio."""
-    with tempfile.TemporaryDirectory() as workdir:
-        nats = NatsServer(Path(workdir) / "jetstream")
-        nats.start()
-        port = free_port()
-        upstream = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.upstream", "--port", str(port),
+class Stack:
+    """NATS, one upstream, and per variant a picker behind its own Envoy."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.nats = NatsServer(workdir / "jetstream")
+        self.port = free_port()
+        self.upstream: subprocess.Popen[bytes] | None = None
+        self.feed: FleetFeed | None = None
+        self.variants: dict[str, tuple[PickerProcess, EnvoyProcess]] = {}
+
+    def start(self) -> Stack:
+        self.nats.start()
+        self.upstream = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.upstream", "--port", str(self.port),
              "--name", "pod-0"], cwd=Path(__file__).resolve().parents[1],
             preexec_fn=die_with_parent)
-        feed = FleetFeed(nats.url, POOL).start()
-        stack: dict[str, tuple[PickerProcess, EnvoyProcess]] = {}
+        wait_for_port(self.port)
+        address = f"127.0.0.1:{self.port}"
+        self.feed = FleetFeed(self.nats.url, POOL).start()
+        self.feed.set_pool(target_port=self.port)
+        self.feed.set_model("bench-model")
+        self.feed.set_endpoints({"pod-0": address})
+        self.feed.set_metrics("pod-0", address, waiting=1, running=4, kv_cache_usage=0.3)
+        for name, sample in VARIANTS.items():
+            picker = PickerProcess(POOL, self.nats.url, self.workdir, log_level="WARNING",
+                                   extra_args=("--outcome-sample", sample)).start()
+            picker.wait_ready()
+            envoy = EnvoyProcess(envoy_config(
+                listener_port=free_port(), admin_port=free_port(), pickers=[picker.endpoint],
+                listener_host="127.0.0.1"), self.workdir).start()
+            self.variants[name] = (picker, envoy)
+        return self
+
+    def stop(self) -> None:
+        for picker, envoy in self.variants.values():
+            envoy.stop()
+            picker.stop()
+        if self.feed is not None:
+            self.feed.stop()
+        if self.upstream is not None:
+            self.upstream.terminate()
+            self.upstream.wait(5)
+        self.nats.stop()
+
+
+async def measure(stack: Stack, args: argparse.Namespace) -> dict[str, list[tuple[float, ...]]]:
+    """Per variant and round: (req/s, p50 ms, picker CPU us per request)."""
+    payload = request_bytes("bench-model")
+    for _, envoy in stack.variants.values():  # warm up
+        await closed_loop(envoy.listen_port, payload, 4, 1.0, 500)
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, (picker, envoy) in stack.variants.items():
+            before = cpu_seconds(picker.pid)
+            result = await closed_loop(envoy.listen_port, payload, args.connections,
+                                       args.duration, max_requests=args.max_requests)
+            served = result.ok + result.failed
+            samples[name].append((result.rate, result.percentile(0.5) * 1e3,
+                                  (cpu_seconds(picker.pid) - before) / served * 1e6))
+    return samples
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stack, measure each variant ``--rounds`` times, print medians and the ratio."""
+    with tempfile.TemporaryDirectory() as workdir:
+        stack = Stack(Path(workdir))
         try:
-            wait_for_port(port)
-            feed.set_pool(target_port=port)
-            feed.set_model("bench-model")
-            feed.set_endpoints({"pod-0": f"127.0.0.1:{port}"})
-            feed.set_metrics("pod-0", f"127.0.0.1:{port}", waiting=1, running=4,
-                             kv_cache_usage=0.3)
-            for name, sample in VARIANTS.items():
-                picker = PickerProcess(POOL, nats.url, Path(workdir), log_level="WARNING",
-                                       extra_args=("--outcome-sample", sample)).start()
-                picker.wait_ready()
-                envoy = EnvoyProcess(envoy_config(
-                    listener_port=free_port(), admin_port=free_port(),
-                    pickers=[picker.endpoint], listener_host="127.0.0.1"),
-                    Path(workdir)).start()
-                stack[name] = (picker, envoy)
-            payload = request_bytes("bench-model")
-            for _, envoy in stack.values():  # warm up
-                await closed_loop(envoy.listen_port, payload, 4, 1.0, 500)
-            cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
-            rate: dict[str, list[float]] = {name: [] for name in VARIANTS}
-            p50: dict[str, list[float]] = {name: [] for name in VARIANTS}
-            for _ in range(args.rounds):
-                for name, (picker, envoy) in stack.items():
-                    before = cpu_seconds(picker.pid)
-                    result = await closed_loop(envoy.listen_port, payload, args.connections,
-                                               args.duration, max_requests=args.max_requests)
-                    served = result.ok + result.failed
-                    cpu[name].append((cpu_seconds(picker.pid) - before) / served * 1e6)
-                    rate[name].append(result.rate)
-                    p50[name].append(result.percentile(0.5) * 1e3)
+            samples = asyncio.run(measure(stack.start(), args))
         finally:
-            for picker, envoy in stack.values():
-                envoy.stop()
-                picker.stop()
-            feed.stop()
-            upstream.terminate()
-            upstream.wait(5)
-            nats.stop()
+            stack.stop()
     print(f"bench_outcome_sampling: medians of {args.rounds} rounds, {args.duration:g} s each, "
           f"closed loop, {args.connections} connections")
     print(f"{'picker':28} {'req/s':>8} {'p50 ms':>8} {'picker CPU us/req':>18}")
-    for name in VARIANTS:
-        print(f"{name:28} {statistics.median(rate[name]):8.0f} "
-              f"{statistics.median(p50[name]):8.2f} {statistics.median(cpu[name]):18.0f}")
-    names = list(VARIANTS)
-    ratio = statistics.median(cpu[names[0]]) / statistics.median(cpu[names[1]])
-    print(f"CPU per request, sampling / no sampling: {ratio:.2f}")
+    medians = {name: [statistics.median(column) for column in zip(*rows, strict=True)]
+               for name, rows in samples.items()}
+    for name, (rate, p50, cpu) in medians.items():
+        print(f"{name:28} {rate:8.0f} {p50:8.2f} {cpu:18.0f}")
+    sampled, plain = (medians[name][2] for name in VARIANTS)
+    print(f"CPU per request, sampling / no sampling: {sampled / plain:.2f}")
     return 0
 
 
@@ -105,7 +125,7 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=16, help="closed-loop clients")
     parser.add_argument("--max-requests", type=int, default=50_000,
                         help="cap per closed-loop run")
-    return asyncio.run(run(parser.parse_args()))
+    return run(parser.parse_args())
 
 
 if __name__ == "__main__":
