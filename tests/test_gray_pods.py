@@ -72,7 +72,9 @@ def test_requests_older_than_the_pod_admits_make_it_gray_until_a_probe_succeeds(
 
 
 def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -> None:
-    guard = GrayPods(gray_after=0, sample_every=2)
+    exclusions: list[tuple[str, str]] = []
+    guard = GrayPods(gray_after=0, sample_every=2,
+                     on_exclude=lambda pod, reason: exclusions.append((pod, reason)))
     clock = Clock()
     assert [guard.wants_outcome() for _ in range(4)] == [False, True, False, True]
     views = list(IDLE.values())
@@ -81,6 +83,7 @@ def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -
     assert guard.excluded(views, clock.now) == set()
     guard.responded("a", 503, clock.now)
     assert guard.excluded(views, clock.now) == {"a"}  # 2 of 3
+    assert exclusions == [("a", "5xx")]
     clock.now += BASE_COOL_OFF + 0.1
     assert guard.excluded(views, clock.now) == set()
     guard.responded("a", 500, clock.now)  # the probe fails: out again, for twice as long
@@ -175,6 +178,18 @@ class Stack:
                         counts[sample.labels["pod"]] += int(sample.value)
         return counts
 
+    def exclusions(self) -> set[str]:
+        """Pods some picker counted as gray (lig_picker_gray_exclusions_total)."""
+        info = StackInfo.read(self.state_dir)
+        assert info is not None
+        pods = set()
+        for url in info.picker_metrics:
+            for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
+                if family.name == "lig_picker_gray_exclusions":
+                    pods |= {s.labels["pod"] for s in family.samples
+                             if s.name.endswith("_total") and s.value > 0}
+        return pods
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -234,6 +249,7 @@ def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: Stack) -> None:
           f"errors {Counter(code for _, _, code in results if code)}")
     assert total > 200, routed
     assert routed["vllm-0"] / total < 0.02, routed
+    assert gray_stack.exclusions() == {"vllm-0"}  # and the pickers say so
     # Nothing hangs past the response timeout (3 s); the gray pod's few answers are errors.
     assert max(elapsed for _, elapsed, _ in results) < 3.0 + 1.5
     assert {(status, code) for status, _, code in results} <= {

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.picker.scheduling.types import PodView
 from shared.logs import RateLimitedLog
@@ -63,12 +63,15 @@ class GrayPods:
     """Per pod, requests in flight and recent outcomes; which pods to leave out right now.
 
     ``gray_after`` 0 disables the in-flight check; ``sample_every`` 0 disables outcome sampling
-    (the picker then never asks Envoy for response headers).
+    (the picker then never asks Envoy for response headers). ``on_exclude(pod, reason)`` is
+    called for every exclusion, ``reason`` being ``unfinished`` or ``5xx``.
     """
 
-    def __init__(self, gray_after: float = 2.0, sample_every: int = 4) -> None:
+    def __init__(self, gray_after: float = 2.0, sample_every: int = 4,
+                 on_exclude: Callable[[str, str], None] = lambda pod, reason: None) -> None:
         self.gray_after = gray_after
         self.sample_every = sample_every
+        self._on_exclude = on_exclude
         self._pods: dict[str, _Pod] = {}
         self._suspects: set[str] = set()  # excluded or on probation
         self._sampled = 0
@@ -123,8 +126,8 @@ class GrayPods:
             return
         enough = len(pod.outcomes) >= MIN_OUTCOMES
         if pod.probation or (enough and pod.failures >= FAILURE_RATIO * len(pod.outcomes)):
-            self._exclude(name, pod, now, f"{pod.failures} of its last {len(pod.outcomes)} "
-                          "responses were 5xx")
+            self._exclude(name, pod, now, "5xx", f"{pod.failures} of its last "
+                          f"{len(pod.outcomes)} responses were 5xx")
 
     # --- the decision ----------------------------------------------------------------------
 
@@ -150,13 +153,13 @@ class GrayPods:
                     break
                 old += 1
             if old > view.running + view.waiting:
-                self._exclude(view.name, pod, now,
+                self._exclude(view.name, pod, now, "unfinished",
                               f"{old} requests in flight for over {self.gray_after:g}s while it "
                               f"reports {view.running} running and {view.waiting} waiting")
                 out.add(view.name)
         return out
 
-    def _exclude(self, name: str, pod: _Pod, now: float, why: str) -> None:
+    def _exclude(self, name: str, pod: _Pod, now: float, reason: str, why: str) -> None:
         pod.offences += 1
         cool_off = min(MAX_COOL_OFF, BASE_COOL_OFF * 2 ** (pod.offences - 1))
         pod.excluded_until = now + cool_off
@@ -164,6 +167,7 @@ class GrayPods:
         pod.outcomes.clear()
         pod.failures = 0
         self._suspects.add(name)
+        self._on_exclude(name, reason)
         self._log.warning("pod %s looks gray (%s); excluded for %gs, then on probation",
                           name, why, cool_off)
 

@@ -208,7 +208,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     metrics = PickerMetrics(registry)
     pods = PodTable(args.stale_after, load_estimate=args.load_estimate,
-                    gray=GrayPods(args.gray_after, args.outcome_sample))
+                    gray=GrayPods(args.gray_after, args.outcome_sample,
+                                  on_exclude=lambda pod, reason:
+                                  metrics.gray_exclusions.labels(pod, reason).inc()))
     router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
     processor = Processor(router, pods, metrics, args.destination_header)
 

@@ -53,6 +53,10 @@ class PickerMetrics:
         self.in_flight = Gauge(
             "lig_picker_in_flight_requests", "Requests this picker sent to each pod that have "
             "not finished", ["pod"], registry=registry, multiprocess_mode="livesum")
+        self.gray_exclusions = Counter(
+            "lig_picker_gray_exclusions", "Times a pod was left out as gray, by pod and reason "
+            "(unfinished: requests not finishing while it reports idle; 5xx: mostly failed "
+            "responses)", ["pod", "reason"], registry=registry)
         self.nats_connected = Gauge(
             "lig_picker_nats_connected", "1 while connected to NATS", registry=registry,
             multiprocess_mode="livemin")
