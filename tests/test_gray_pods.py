@@ -55,20 +55,22 @@ def test_requests_older_than_the_pod_admits_make_it_gray_until_a_probe_succeeds(
     busy = PodView("a", "10.0.0.1:8000", running=1)
     assert guard.excluded([busy, IDLE["b"]], clock.now) == set()  # the pod runs it: fine
     assert guard.excluded(views, clock.now) == {"a"}  # idle, yet our request is not done
-    assert guard.wants_outcome()  # while a pod is suspect, every request reports its status
     guard.finished("a")
     clock.now += BASE_COOL_OFF - 0.1
     assert guard.excluded(views, clock.now) == {"a"}  # cool-off
+    assert not guard.wants_outcome(clock.now)
     clock.now += 0.2
     assert guard.excluded(views, clock.now) == set()  # probation: one request at a time
+    assert guard.wants_outcome(clock.now)  # a probe reports its status
     guard.started("a", clock.now)
+    assert not guard.wants_outcome(clock.now)
     assert guard.excluded(views, clock.now) == {"a"}
     guard.responded("a", 200, clock.now)
     guard.finished("a")
     assert guard.excluded(views, clock.now) == set()
     guard.started("a", clock.now)
     assert guard.excluded(views, clock.now) == set()  # cleared: no longer one at a time
-    assert not guard.wants_outcome()
+    assert not guard.wants_outcome(clock.now)
 
 
 def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -> None:
@@ -76,7 +78,7 @@ def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -
     guard = GrayPods(gray_after=0, sample_every=2,
                      on_exclude=lambda pod, reason: exclusions.append((pod, reason)))
     clock = Clock()
-    assert [guard.wants_outcome() for _ in range(4)] == [False, True, False, True]
+    assert [guard.wants_outcome(clock.now) for _ in range(4)] == [False, True, False, True]
     views = list(IDLE.values())
     guard.responded("a", 500, clock.now)
     guard.responded("a", 200, clock.now)
@@ -91,9 +93,9 @@ def test_mostly_5xx_makes_a_pod_gray_and_a_failed_probe_doubles_the_cool_off() -
     assert guard.excluded(views, clock.now) == {"a"}
     clock.now += 0.2
     assert guard.excluded(views, clock.now) == set()
-    assert [guard.wants_outcome() for _ in range(2)] == [True, True]  # "a" is on probation
+    assert [guard.wants_outcome(clock.now) for _ in range(2)] == [True, True]  # a may probe
     guard.forget({"b"})  # "a" left the pool: back to one request in two
-    assert sorted(guard.wants_outcome() for _ in range(2)) == [False, True]
+    assert sorted(guard.wants_outcome(clock.now) for _ in range(2)) == [False, True]
 
 
 def test_envoy_outlier_detection_does_not_steer_original_dst(

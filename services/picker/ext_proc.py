@@ -232,7 +232,7 @@ class Exchange:
             return (self._answer_headers_with(self._p.route(None)),)
         if self._hold_headers:
             return ()
-        self._reports_status = self._p.pods.gray.wants_outcome()
+        self._reports_status = self._p.pods.wants_outcome()
         if self._request_mode == STREAMED or self._reports_status:
             # STREAMED: Envoy would send the headers upstream before the body (and so the
             # destination) is known: ask for the body buffered instead. Chunks are still

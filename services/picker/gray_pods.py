@@ -10,9 +10,9 @@ do not:
   pod counts it as running or waiting. When this picker has more such requests at a pod than
   the pod reports running and waiting together, the pod is not running them: it is gray. (Each
   picker replica checks only its own requests, which the pod's counts include.)
-- **Requests that fail.** For one request in ``sample_every`` (and for every request while some
-  pod is excluded or on probation) the picker asks Envoy for the response headers on the routing
-  stream and records the status. ``MIN_OUTCOMES`` or more recent outcomes of which at least
+- **Requests that fail.** For one request in ``sample_every`` (and for every request while a pod
+  on probation may get it) the picker asks Envoy for the response headers on the routing stream
+  and records the status. ``MIN_OUTCOMES`` or more recent outcomes of which at least
   ``FAILURE_RATIO`` are 5xx (Envoy's own 503/504 for an unreachable or silent pod included)
   make the pod gray.
 
@@ -24,7 +24,10 @@ is gray, none is excluded (see :meth:`services.picker.state.PodTable.fresh_views
 Approximations: a finished request ends the oldest one counted at that pod (requests are not
 told apart), which can only make ages look younger, never older. A client that reads a finished
 response slowly keeps its request in flight after the pod stopped counting it; that alone
-excludes a pod only for the first cool-off, since its next request, on probation, succeeds.
+excludes a pod only for the first cool-off, since its next request, on probation, succeeds. A
+sampled request's ext_proc stream ends when its response starts (Envoy closes the stream after
+the last message it expects), so such a request counts as in flight (here and in
+``lig_picker_in_flight_requests``) until its response starts rather than until it ends.
 """
 
 from __future__ import annotations
@@ -95,10 +98,13 @@ class GrayPods:
         if pod is not None and pod.starts:
             pod.starts.popleft()
 
-    def wants_outcome(self) -> bool:
-        """Whether the next request should report its response status."""
-        if self._suspects:
-            return True
+    def wants_outcome(self, now: float) -> bool:
+        """Whether the next request should report its response status: one in
+        ``sample_every``, and every one while a pod on probation may get it (a probe)."""
+        for name in self._suspects:
+            pod = self._pods[name]
+            if pod.excluded_until <= now and not pod.starts:
+                return True
         if not self.sample_every:
             return False
         self._sampled += 1

@@ -161,6 +161,10 @@ class PodTable:
             self._in_flight.pop(pod, None)
         self.gray.finished(pod)
 
+    def wants_outcome(self) -> bool:
+        """Whether the request being routed should report its response status."""
+        return self.gray.wants_outcome(self._clock())
+
     def responded(self, pod: str, status: int) -> None:
         """The response to a request sent to ``pod`` started with ``status``."""
         self.gray.responded(pod, status, self._clock())
