@@ -19,6 +19,7 @@ from services.picker.http2 import (
     GOAWAY,
     HEADERS,
     INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS,
     MAX_WINDOW,
     PADDED,
     PING,
@@ -33,20 +34,46 @@ from services.picker.http2 import (
     Http2Server,
     frame,
 )
+from services.picker.http2_limits import Http2Limits
 
 PATH = b"/test.Echo/Chat"
 
 
 class FakeTransport:
-    """Collects what the connection writes."""
+    """Collects what the connection writes; like asyncio's transports, it tells its protocol
+    to pause writing once more than the high-water mark is unread (``written``)."""
 
     def __init__(self) -> None:
         self.written = bytearray()
         self.closed = False
         self.aborted = False
+        self.reading = True
+        self.protocol: asyncio.Protocol | None = None
+        self.high_water = 1 << 62
+        self.low_water = 0
+        self.writing_paused = False
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        self.high_water, self.low_water = high, low
 
     def write(self, data: bytes) -> None:
         self.written += data
+        if len(self.written) > self.high_water and not self.writing_paused \
+                and self.protocol is not None:
+            self.writing_paused = True
+            self.protocol.pause_writing()
+
+    def drained(self) -> None:
+        """The peer read everything: below the low-water mark again."""
+        if self.writing_paused and self.protocol is not None:
+            self.writing_paused = False
+            self.protocol.resume_writing()
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def close(self) -> None:
         self.closed = True
@@ -97,6 +124,7 @@ class Peer:
         self.connection = Http2Connection({PATH: lambda: Echo(self.log, end_after)}, max_message,
                                           on_lost=lambda _: setattr(self, "lost", True))
         self.transport = FakeTransport()
+        self.transport.protocol = self.connection
         self.connection.connection_made(self.transport)  # type: ignore[arg-type]
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
@@ -129,9 +157,12 @@ def test_greeting_settings_and_ping() -> None:
     (settings, window_update) = peer.server_greeting
     assert settings[:3] == (SETTINGS, 0, 0)
     values = {int.from_bytes(settings[3][i: i + 2], "big"):
-              int.from_bytes(settings[3][i + 2: i + 6], "big") for i in range(0, 18, 6)}
+              int.from_bytes(settings[3][i + 2: i + 6], "big")
+              for i in range(0, len(settings[3]), 6)}
     assert values[0x1] == 0  # no dynamic HPACK table, please
-    assert values[INITIAL_WINDOW_SIZE] == MAX_WINDOW
+    assert values[INITIAL_WINDOW_SIZE] == Http2Limits().stream_window
+    assert values[MAX_CONCURRENT_STREAMS] == 1000
+    assert values[0x6] == Http2Limits().max_header_list
     assert window_update[:3] == (WINDOW_UPDATE, 0, 0)
     peer.start()
     peer.send(frame(PING, 0, 0, b"12345678"))
@@ -203,7 +234,8 @@ def test_unknown_methods_and_bad_messages_end_only_their_call() -> None:
     (answer, reset) = peer.read()
     assert answer[:3] == (HEADERS, END_HEADERS | END_STREAM, 1)
     fields = peer.header_fields(answer[3])
-    assert fields["grpc-status"] == "12" and "nope.Service" in fields["grpc-message"]
+    assert fields == {":status": "200", "content-type": "application/grpc",
+                      "grpc-status": "12", "grpc-message": "unknown method"}
     assert reset[:3] == (RST_STREAM, 0, 1)
     peer.send(peer.headers(3), frame(DATA, 0, 3, grpc_message(b"x", compressed=True)))
     peer.send(peer.headers(5), frame(DATA, 0, 5, grpc_message(b"x" * 11)))
