@@ -42,7 +42,7 @@ library and gRPC's C core bound the same things, with the values noted):
 - Answers never echo client bytes (grpc-message is a short fixed text) and no frame sent is
   larger than the peer's SETTINGS_MAX_FRAME_SIZE.
 - Protocol errors are counted per kind (``on_error``, the picker's
-  ``lig_picker_http2_errors_total``) and logged at most 10 times a minute per server, with the
+  ``lig_picker_http2_errors_total``) and logged at most once per 10 s per server, with the
   number suppressed.
 
 Flow control sends in O(1) per frame: a stream waiting for window is parked either in a FIFO of
@@ -69,7 +69,8 @@ from typing import Protocol
 
 import hpack
 
-from services.picker.http2_limits import Http2Limits, LogThrottle, TokenBucket
+from services.picker.http2_limits import Http2Limits, TokenBucket
+from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.picker.http2")
 
@@ -200,7 +201,7 @@ class Http2Connection(asyncio.Protocol):
                  limits: Http2Limits | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
                  on_error: Callable[[str], None] = lambda kind: None,
-                 warnings: LogThrottle | None = None) -> None:
+                 warnings: RateLimitedLog | None = None) -> None:
         """``loop`` runs the preface and idle timers (none without it); ``on_error`` is called
         with the kind of each connection error (an RFC 9113 error name, or PREFACE_TIMEOUT);
         ``warnings`` throttles the log lines about them."""
@@ -210,7 +211,7 @@ class Http2Connection(asyncio.Protocol):
         self._limits = limits = limits if limits is not None else Http2Limits()
         self._loop = loop
         self._on_error = on_error
-        self._warnings = warnings if warnings is not None else LogThrottle(log)
+        self._warnings = warnings if warnings is not None else RateLimitedLog(log)
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._out: list[bytes] = []
@@ -709,9 +710,9 @@ class Http2Connection(asyncio.Protocol):
             stream.headers_sent = True
         data = b"\x00" + len(message).to_bytes(4, "big") + message
         size = len(data)
-        if (stream.pending or size > self._send_window
-                or size > self._initial_send_window + stream.credit
-                or size > self._max_frame_out):
+        window = self._initial_send_window + stream.credit
+        if (stream.pending or size > self._send_window or size > window
+                or size > self._max_frame_out or window > MAX_WINDOW):
             stream.pending += data
             self._flush(stream)
             return
@@ -867,7 +868,7 @@ class Http2Server:
         if self._limits.buffered_cap(max_message) < max_message + 5:
             raise ValueError("max_buffered must hold one message of max_message bytes")
         self._on_error = on_error
-        self._warnings = LogThrottle(log)  # shared: a flood of bad connections logs little
+        self._warnings = RateLimitedLog(log)  # shared: a flood of bad connections logs little
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.Server | None = None
         self._idle = asyncio.Event()  # set whenever no connection is open

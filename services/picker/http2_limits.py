@@ -1,14 +1,12 @@
-"""The built-in HTTP/2 server's resource limits, and the two small meters that enforce them.
+"""The built-in HTTP/2 server's resource limits, and the budget that enforces the rate ones.
 
 :class:`Http2Limits` holds every bound (see :mod:`services.picker.http2` for what each protects
 against and where the defaults come from); :class:`TokenBucket` is a per-connection budget for
-frames that cost work without making progress; :class:`LogThrottle` keeps a flood of bad
-connections from flooding the log too.
+frames that cost work without making progress.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -79,34 +77,3 @@ class TokenBucket:
                 return False
         self._tokens -= 1.0
         return True
-
-
-class LogThrottle:
-    """At most ``limit`` warnings per ``interval`` seconds; the rest are counted and the count
-    is reported with the next warning that gets through."""
-
-    def __init__(self, logger: logging.Logger, limit: int = 10, interval: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._log = logger
-        self._limit = limit
-        self._interval = interval
-        self._clock = clock
-        self._window_start = clock()
-        self._emitted = 0
-        self.suppressed = 0  # since the last warning that was logged
-
-    def warning(self, message: str, *args: object) -> None:
-        """Log ``message`` unless this interval's quota is used up."""
-        now = self._clock()
-        if now - self._window_start >= self._interval:
-            self._window_start = now
-            self._emitted = 0
-        if self._emitted >= self._limit:
-            self.suppressed += 1
-            return
-        self._emitted += 1
-        if self.suppressed:
-            message += " (%d similar warnings suppressed)"
-            args = (*args, self.suppressed)
-            self.suppressed = 0
-        self._log.warning(message, *args)
