@@ -424,7 +424,10 @@ class Http2Connection(asyncio.Protocol):
         elif kind == PING:
             self._ping(flags, stream_id, payload)
         elif kind == GOAWAY:
-            self._draining = True  # the client opens no more streams here
+            if not self._draining:  # the client opens no more streams here: nor do we
+                self._draining = True
+                self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
+                                       + NO_ERROR.to_bytes(4, "big")))
             self._close_if_idle()
         elif kind == PUSH_PROMISE:
             raise ProtocolFault(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
