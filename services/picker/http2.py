@@ -29,12 +29,14 @@ library and gRPC's C core bound the same things, with the values noted):
   any decoding, [16 KiB] decoded (SETTINGS_MAX_HEADER_LIST_SIZE; gRPC core's hard default is
   16 KiB, h2's 64 KiB), at most [64] CONTINUATION frames (h2's backlog) and at most two table
   size updates per block (RFC 7541 4.2).
-- Frames that cost work without progress (SETTINGS, PING, PRIORITY, unknown types, RST_STREAM
-  of no open stream, empty DATA/HEADERS/CONTINUATION) spend a per-connection budget [1000,
-  refilled 500/s]; streams that end before any answer (reset by the client: rapid reset,
-  CVE-2023-44487; refused; unknown method) spend another [2000, refilled 1000/s]. Either one
-  exhausted: GOAWAY ENHANCE_YOUR_CALM. (gRPC core bounds the frames it must answer,
-  ``max_pending_induced_frames``, 10,000; nghttp2 rate-limits resets with a bucket of 1000.)
+- Frames that cost work without progress (SETTINGS, PING, PRIORITY, unknown types, empty
+  DATA/HEADERS/CONTINUATION) spend a per-connection budget [1000, refilled 500/s]; streams that
+  end before any answer (reset by the client: rapid reset, CVE-2023-44487; refused; unknown
+  method) spend another [2000, refilled 1000/s]. Either one exhausted: GOAWAY
+  ENHANCE_YOUR_CALM. A reset of a stream that already ended costs nothing: Envoy sends one
+  after most ext_proc calls (it half-closes, then resets). (gRPC core bounds the frames it
+  must answer, ``max_pending_induced_frames``, 10,000; nghttp2 rate-limits resets with a
+  bucket of 1000.)
 - Write back-pressure: reading pauses while the transport holds more than [1 MiB] unsent, and
   resumes below [256 KiB], so a peer that does not read cannot make the server buffer answers.
 - Timeouts: [10 s] for the preface and first SETTINGS, then [300 s] without an open stream
@@ -622,7 +624,8 @@ class Http2Connection(asyncio.Protocol):
         if stream is None:
             if stream_id > self._last_stream:
                 raise ProtocolFault(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
-            self._charge_control()
+            # Free: Envoy resets each ext_proc stream right after half-closing it, so most of
+            # its calls end with a reset of a stream that ended here; it costs a lookup.
             return
         if not stream.headers_sent:
             self._charge_reset()

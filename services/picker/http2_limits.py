@@ -33,8 +33,8 @@ class Http2Limits(msgspec.Struct, frozen=True):
     max_header_list: int = 16 * KIB
     # CONTINUATION frames in one header block (h2 keeps at most 64).
     max_continuations: int = 64
-    # Frames that cost work without progress: SETTINGS, PING, PRIORITY, unknown types,
-    # RST_STREAM of no open stream, empty DATA/HEADERS. A bucket of `burst`, refilled per second.
+    # Frames that cost work without progress: SETTINGS, PING, PRIORITY, unknown types, empty
+    # DATA/HEADERS/CONTINUATION. A bucket of `burst`, refilled per second.
     control_burst: int = 1000
     control_rate: float = 500.0
     # Streams that end before any answer: reset by the client (rapid reset, CVE-2023-44487),
