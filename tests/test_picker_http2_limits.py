@@ -39,7 +39,7 @@ from services.picker.http2 import (
 )
 from services.picker.http2_limits import Http2Limits, TokenBucket
 from services.picker.observability import PickerMetrics
-from tests.support.http2_peer import PATH, Echo, Peer, grpc_message
+from tests.support.http2_peer import PATH, Echo, FakeTransport, Peer, grpc_message
 
 Frames = list[tuple[int, int, int, bytes]]
 
@@ -284,6 +284,27 @@ def test_reading_pauses_while_the_client_does_not_read() -> None:
         if peer.transport.reading:
             break
     assert peer.transport.reading and peer.log.count("message") == 100
+
+
+def test_a_transport_resuming_from_inside_a_write_does_not_reenter_the_frame_loop() -> None:
+    class ResumesAtOnce(FakeTransport):
+        """Pauses past the high-water mark, then drains at once, inside the same write (as
+        asyncio's TLS transport can)."""
+
+        def write(self, data: bytes) -> None:
+            super().write(data)
+            if self.writing_paused:
+                self.drained()
+
+    peer = Peer()
+    peer.transport = ResumesAtOnce()
+    peer.transport.protocol = peer.connection
+    peer.transport.set_write_buffer_limits(100, 0)
+    peer.connection._transport = peer.transport  # the greeting went to the first transport
+    peer.start()
+    peer.send(peer.headers(1), *(frame(DATA, 0, 1, grpc_message(str(n).encode()))
+                                 for n in range(300)))
+    assert peer.log == [f"message {n}" for n in range(300)]
 
 
 @pytest.mark.parametrize("wire", [

@@ -241,6 +241,7 @@ class Http2Connection(asyncio.Protocol):
         self._control = TokenBucket(limits.control_burst, limits.control_rate)
         self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
         self._paused = False  # the transport's write buffer is above its high-water mark
+        self._processing = False  # inside _process: a resume must not start another
         self._draining = False  # no new streams: our final GOAWAY went out, or the client sent one
         self._drain_started = False
         self._closing = False
@@ -292,7 +293,9 @@ class Http2Connection(asyncio.Protocol):
         self._paused = False
         if self._transport is not None and not self._closing:
             self._transport.resume_reading()
-            if self._buffer:
+            # A transport may resume from inside our own write (asyncio's TLS one can): the
+            # frame loop on the stack then simply goes on.
+            if self._buffer and not self._processing:
                 self._run()
 
     # --- draining ----------------------------------------------------------------------------
@@ -362,6 +365,7 @@ class Http2Connection(asyncio.Protocol):
     # --- frames in ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._processing = True
         try:
             self._process()
         except ProtocolFault as exc:
@@ -370,6 +374,8 @@ class Http2Connection(asyncio.Protocol):
                                    + exc.code.to_bytes(4, "big")))
             self._close()
             return
+        finally:
+            self._processing = False
         self._write()
 
     def _report(self, kind: str, reason: str) -> None:
