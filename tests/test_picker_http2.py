@@ -19,6 +19,7 @@ from services.picker.http2 import (
     GOAWAY,
     HEADERS,
     INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS,
     MAX_WINDOW,
     PADDED,
     PING,
@@ -33,95 +34,8 @@ from services.picker.http2 import (
     Http2Server,
     frame,
 )
-
-PATH = b"/test.Echo/Chat"
-
-
-class FakeTransport:
-    """Collects what the connection writes."""
-
-    def __init__(self) -> None:
-        self.written = bytearray()
-        self.closed = False
-        self.aborted = False
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
-class Echo:
-    """A handler that answers each message with ``echo:`` + message, and records its life."""
-
-    def __init__(self, log: list[str], end_after: int | None = None) -> None:
-        self.log = log
-        self.end_after = end_after
-        self.count = 0
-
-    def on_message(self, message: bytes) -> tuple[Sequence[bytes], bool]:
-        self.count += 1
-        self.log.append(f"message {message.decode()}")
-        return [b"echo:" + message], self.count == self.end_after
-
-    def on_close(self) -> None:
-        self.log.append("closed")
-
-
-def grpc_message(payload: bytes, compressed: bool = False) -> bytes:
-    return bytes((int(compressed),)) + len(payload).to_bytes(4, "big") + payload
-
-
-def parse(data: bytes) -> list[tuple[int, int, int, bytes]]:
-    frames = []
-    position = 0
-    while position < len(data):
-        length = int.from_bytes(data[position: position + 3], "big")
-        kind, flags = data[position + 3], data[position + 4]
-        stream_id = int.from_bytes(data[position + 5: position + 9], "big")
-        frames.append((kind, flags, stream_id, bytes(data[position + 9: position + 9 + length])))
-        position += 9 + length
-    return frames
-
-
-class Peer:
-    """The client side of one connection, driven by hand."""
-
-    def __init__(self, end_after: int | None = None, max_message: int = 1000) -> None:
-        self.log: list[str] = []
-        self.lost = False
-        self.connection = Http2Connection({PATH: lambda: Echo(self.log, end_after)}, max_message,
-                                          on_lost=lambda _: setattr(self, "lost", True))
-        self.transport = FakeTransport()
-        self.connection.connection_made(self.transport)  # type: ignore[arg-type]
-        self.encoder = hpack.Encoder()
-        self.decoder = hpack.Decoder()
-        self.server_greeting = self.read()
-
-    def send(self, *frames: bytes) -> None:
-        self.connection.data_received(b"".join(frames))
-
-    def start(self, settings: bytes = b"") -> None:
-        self.send(PREFACE, frame(SETTINGS, 0, 0, settings))
-        assert (SETTINGS, ACK, 0, b"") in self.read()
-
-    def read(self) -> list[tuple[int, int, int, bytes]]:
-        frames = parse(bytes(self.transport.written))
-        self.transport.written.clear()
-        return frames
-
-    def headers(self, stream_id: int, path: bytes = PATH, flags: int = END_HEADERS) -> bytes:
-        block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path),
-                                     (":authority", "picker"), ("te", "trailers"),
-                                     ("content-type", "application/grpc")])
-        return frame(HEADERS, flags, stream_id, block)
-
-    def header_fields(self, block: bytes) -> dict[str, str]:
-        return {name: value for name, value in self.decoder.decode(block)}
+from services.picker.http2_limits import Http2Limits
+from tests.support.http2_peer import PATH, Echo, FakeTransport, Peer, grpc_message, parse
 
 
 def test_greeting_settings_and_ping() -> None:
@@ -129,9 +43,12 @@ def test_greeting_settings_and_ping() -> None:
     (settings, window_update) = peer.server_greeting
     assert settings[:3] == (SETTINGS, 0, 0)
     values = {int.from_bytes(settings[3][i: i + 2], "big"):
-              int.from_bytes(settings[3][i + 2: i + 6], "big") for i in range(0, 18, 6)}
+              int.from_bytes(settings[3][i + 2: i + 6], "big")
+              for i in range(0, len(settings[3]), 6)}
     assert values[0x1] == 0  # no dynamic HPACK table, please
-    assert values[INITIAL_WINDOW_SIZE] == MAX_WINDOW
+    assert values[INITIAL_WINDOW_SIZE] == Http2Limits().stream_window
+    assert values[MAX_CONCURRENT_STREAMS] == 1000
+    assert values[0x6] == Http2Limits().max_header_list
     assert window_update[:3] == (WINDOW_UPDATE, 0, 0)
     peer.start()
     peer.send(frame(PING, 0, 0, b"12345678"))
@@ -203,7 +120,8 @@ def test_unknown_methods_and_bad_messages_end_only_their_call() -> None:
     (answer, reset) = peer.read()
     assert answer[:3] == (HEADERS, END_HEADERS | END_STREAM, 1)
     fields = peer.header_fields(answer[3])
-    assert fields["grpc-status"] == "12" and "nope.Service" in fields["grpc-message"]
+    assert fields == {":status": "200", "content-type": "application/grpc",
+                      "grpc-status": "12", "grpc-message": "unknown method"}
     assert reset[:3] == (RST_STREAM, 0, 1)
     peer.send(peer.headers(3), frame(DATA, 0, 3, grpc_message(b"x", compressed=True)))
     peer.send(peer.headers(5), frame(DATA, 0, 5, grpc_message(b"x" * 11)))

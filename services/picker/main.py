@@ -184,7 +184,8 @@ class _BuiltinExtProc:
 
     def __init__(self, processor: Processor, host: str, port: int, reuse_port: bool,
                  tls: TlsFiles | None) -> None:
-        self._server = Http2Server(http2_handlers(processor), MAX_MESSAGE_BYTES)
+        self._server = Http2Server(http2_handlers(processor), MAX_MESSAGE_BYTES,
+                                   on_error=processor.metrics.count_http2_error)
         self._address = (host, port, reuse_port)
         self._ssl = ssl_context(tls) if tls is not None else None
         self.port = port

@@ -60,6 +60,10 @@ class PickerMetrics:
         self.nats_connected = Gauge(
             "lig_picker_nats_connected", "1 while connected to NATS", registry=registry,
             multiprocess_mode="livemin")
+        self.http2_errors = Counter(
+            "lig_picker_http2_errors", "Connections the built-in ext_proc server closed for a "
+            "protocol error, by kind (an HTTP/2 error code name, or PREFACE_TIMEOUT)", ["kind"],
+            registry=registry)
         self.ready = Gauge(
             "lig_picker_ready", "1 once registry state and a metric snapshot have arrived",
             registry=registry, multiprocess_mode="livemin")
@@ -77,6 +81,10 @@ class PickerMetrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(*key)
         child.inc()
+
+    def count_http2_error(self, kind: str) -> None:
+        """Count one connection closed by the built-in HTTP/2 server for a protocol error."""
+        self.http2_errors.labels(kind).inc()
 
     def count_tokens(self, model: str, registered: bool, usage: Usage) -> None:
         """Add a response's token usage."""

@@ -1,0 +1,142 @@
+"""An HTTP/2 client driven by hand against :class:`Http2Connection` in-process: a fake
+transport (no network), a handler that echoes, and frame parsing. Used by the HTTP/2 server's
+unit tests, its fuzz suite and its attack benchmark."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import hpack
+
+from services.picker.http2 import (
+    ACK,
+    END_HEADERS,
+    HEADERS,
+    PREFACE,
+    SETTINGS,
+    Http2Connection,
+    frame,
+)
+from services.picker.http2_limits import Http2Limits
+
+PATH = b"/test.Echo/Chat"
+
+
+class FakeTransport:
+    """Collects what the connection writes; like asyncio's transports, it tells its protocol
+    to pause writing once more than the high-water mark is unread (``written``)."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.closed = False
+        self.aborted = False
+        self.reading = True
+        self.protocol: asyncio.Protocol | None = None
+        self.high_water = 1 << 62
+        self.low_water = 0
+        self.writing_paused = False
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        self.high_water, self.low_water = high, low
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+        if len(self.written) > self.high_water and not self.writing_paused \
+                and self.protocol is not None:
+            self.writing_paused = True
+            self.protocol.pause_writing()
+
+    def drained(self) -> None:
+        """The peer read everything: below the low-water mark again."""
+        if self.writing_paused and self.protocol is not None:
+            self.writing_paused = False
+            self.protocol.resume_writing()
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class Echo:
+    """A handler that answers each message with ``echo:`` + message, and records its life."""
+
+    def __init__(self, log: list[str], end_after: int | None = None) -> None:
+        self.log = log
+        self.end_after = end_after
+        self.count = 0
+
+    def on_message(self, message: bytes) -> tuple[Sequence[bytes], bool]:
+        self.count += 1
+        self.log.append(f"message {message.decode()}")
+        return [b"echo:" + message], self.count == self.end_after
+
+    def on_close(self) -> None:
+        self.log.append("closed")
+
+
+def grpc_message(payload: bytes, compressed: bool = False) -> bytes:
+    return bytes((int(compressed),)) + len(payload).to_bytes(4, "big") + payload
+
+
+def parse(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    frames = []
+    position = 0
+    while position < len(data):
+        length = int.from_bytes(data[position: position + 3], "big")
+        kind, flags = data[position + 3], data[position + 4]
+        stream_id = int.from_bytes(data[position + 5: position + 9], "big")
+        frames.append((kind, flags, stream_id, bytes(data[position + 9: position + 9 + length])))
+        position += 9 + length
+    return frames
+
+
+class Peer:
+    """The client side of one connection, driven by hand."""
+
+    def __init__(self, end_after: int | None = None, max_message: int = 1000,
+                 limits: Http2Limits | None = None,
+                 handler: Callable[[list[str]], Echo] | None = None) -> None:
+        self.log: list[str] = []
+        self.lost = False
+        make = handler or (lambda log: Echo(log, end_after))
+        self.connection = Http2Connection({PATH: lambda: make(self.log)}, max_message,
+                                          on_lost=lambda _: setattr(self, "lost", True),
+                                          limits=limits)
+        self.transport = FakeTransport()
+        self.transport.protocol = self.connection
+        self.connection.connection_made(self.transport)  # type: ignore[arg-type]
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.server_greeting = self.read()
+
+    def send(self, *frames: bytes) -> None:
+        self.connection.data_received(b"".join(frames))
+
+    def start(self, settings: bytes = b"") -> None:
+        self.send(PREFACE, frame(SETTINGS, 0, 0, settings))
+        assert (SETTINGS, ACK, 0, b"") in self.read()
+
+    def read(self) -> list[tuple[int, int, int, bytes]]:
+        """The frames the server wrote since the last read (parsed)."""
+        frames = parse(bytes(self.transport.written))
+        self.transport.written.clear()
+        self.transport.drained()  # read, so the server may go on reading too
+        return frames
+
+    def headers(self, stream_id: int, path: bytes = PATH, flags: int = END_HEADERS) -> bytes:
+        block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path),
+                                     (":authority", "picker"), ("te", "trailers"),
+                                     ("content-type", "application/grpc")])
+        return frame(HEADERS, flags, stream_id, block)
+
+    def header_fields(self, block: bytes) -> dict[str, str]:
+        return {name: value for name, value in self.decoder.decode(block)}
