@@ -66,7 +66,7 @@ def criticality(contents: dict[str, bytes], key: str = "model.pool-a.model-a") -
 class Running:
     """A Reconciler publishing ``inputs`` over its own connection, run as a task."""
 
-    def __init__(self, inputs: Path, nats_url: str, **options: float) -> None:
+    def __init__(self, inputs: Path, nats_url: str, **options: float | bool) -> None:
         self.inputs = inputs
         self.url = nats_url
         self.metrics = RegistryMetrics()
@@ -224,6 +224,97 @@ async def test_nats_restarted_with_an_empty_store_gets_the_state_again(
         await client.close()
 
 
+async def test_emptied_file_folder_or_endpoints_are_refused_and_the_state_stays(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    (folder / "pool.yaml").write_text(dump(pool()))
+    (folder / "models.yaml").write_text(dump(model(), model("model-b")))
+    service = Running(folder, nats_server.url, resync_interval=0.3)
+    await service.start()
+    caplog.set_level(logging.INFO, logger="lig.registry")
+    try:
+        await poll_until(lambda: _has_keys(nc, 4))
+        good = await bucket(nc)
+
+        async def refused(reason: str, count: int) -> bool:
+            return service.sample("lig_registry_refused_total", reason=reason) == count
+
+        await write(folder / "pool.yaml", "")  # truncated by an editor: models lose their pool
+        await write(folder / "models.yaml", "")
+        await poll_until(lambda: refused("no_pools", 1))
+        assert "REFUSED to publish: the inputs define no pools" in caplog.text
+        assert "would delete every pool (pool-a)" in caplog.text
+        assert "--allow-empty" in caplog.text
+        assert service.sample("lig_registry_input_valid") == 0
+        assert service.sample("lig_registry_objects", kind="pool") == 1  # what stays published
+
+        (folder / "pool.yaml").unlink()
+        (folder / "models.yaml").unlink()  # an empty folder: refused the same way
+        await poll_until(lambda: refused("no_pools", 2))
+
+        await write(folder / "all.yaml", dump(pool(endpoints=0), model()))
+        await poll_until(lambda: refused("no_endpoints", 1))
+        assert "list no endpoints for pool(s) that have some now (pool-a)" in caplog.text
+
+        # The kept state is the desired one: a wiped key comes back with the good value.
+        await (await nc.jetstream().key_value(BUCKET)).delete("endpoints.pool-a")
+        await poll_until(async_check(nc, lambda c: c == good))
+        assert service.sample("lig_registry_kv_writes_total", op="delete") == 0
+
+        await write(folder / "all.yaml", dump(pool(endpoints=1), model()))  # a real edit
+        await poll_until(async_check(nc, lambda c: "model.pool-a.model-b" not in c
+                                     and c["endpoints.pool-a"] != good["endpoints.pool-a"]))
+        assert service.sample("lig_registry_input_valid") == 1
+    finally:
+        await service.stop()
+
+
+async def test_first_start_on_an_empty_folder_keeps_an_earlier_state_and_allow_empty_wipes(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    caplog.set_level(logging.INFO, logger="lig.registry")
+    # Nothing published yet anywhere: an empty folder is simply nothing to publish.
+    fresh = Running(empty, nats_server.url)
+    await fresh.start()
+    try:
+        await poll_until(lambda: _sample_is(fresh, "lig_registry_publishes_total", 1,
+                                            outcome="ok"))
+        assert "the inputs define no pools" in caplog.text and "REFUSED" not in caplog.text
+    finally:
+        await fresh.stop()
+
+    earlier = tmp_path / "earlier.yaml"
+    await write(earlier, dump(pool(), model()))
+    first = Running(earlier, nats_server.url)
+    await first.start()
+    await poll_until(lambda: _has_keys(nc, 3))
+    await first.stop()
+    published = await bucket(nc)
+
+    restarted = Running(empty, nats_server.url, resync_interval=0.2)  # an emptied ConfigMap
+    await restarted.start()
+    try:
+        await poll_until(lambda: _sample_is(restarted, "lig_registry_refused_total", 1,
+                                            reason="no_pools"))
+        assert "nothing published; the bucket keeps what it holds" in caplog.text
+        await asyncio.sleep(0.5)  # resyncs come and go
+        assert await bucket(nc) == published
+        assert restarted.sample("lig_registry_refused_total", reason="no_pools") == 1
+    finally:
+        await restarted.stop()
+
+    allowed = Running(empty, nats_server.url, allow_empty=True)
+    await allowed.start()
+    try:
+        await poll_until(lambda: _has_keys(nc, 0))
+    finally:
+        await allowed.stop()
+
+
 def async_check(nc: Client, predicate: Callable[[dict[str, bytes]], bool]
                 ) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
@@ -312,3 +403,57 @@ def test_check_command_exit_codes(inputs: Path, tmp_path: Path) -> None:
                          text=True, timeout=DEADLINE)
     assert bad.returncode == 2
     assert f"{inputs}:" in bad.stderr and "spec.poolRef.name" in bad.stderr
+
+
+async def test_process_survives_deep_yaml_and_an_emptied_folder_keeping_the_state(
+    nats_server, nc: Client, tmp_path: Path
+) -> None:
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    (folder / "pool.yaml").write_text(dump(pool(), model(), model("model-b")))
+    metrics_port = free_port()
+    process, log = start_lig(
+        tmp_path, str(folder), "--nats-url", nats_server.url, "--host", "127.0.0.1",
+        "--metrics-port", str(metrics_port), "--watch-interval", "0.1")
+    try:
+        await poll_until(lambda: _has_keys(nc, 4))
+        good = await bucket(nc)
+
+        async def logged(text: str) -> bool:
+            assert process.poll() is None, await asyncio.to_thread(log.read_text)
+            return text in await asyncio.to_thread(log.read_text)
+
+        # The 1 KB file of the attack: 500 nested levels.
+        await write(folder / "pool.yaml", "kind: " + "[" * 500 + "]" * 500 + "\n")
+        await poll_until(lambda: logged("nested deeper than 64 levels"))
+        await poll_until(lambda: logged("rejected the inputs (1 problems)"))
+
+        (folder / "pool.yaml").unlink()  # the folder is empty now
+        await poll_until(lambda: logged("REFUSED to publish: the inputs define no pools"))
+        await asyncio.sleep(0.5)  # a few more watch intervals
+        assert process.poll() is None
+        assert await bucket(nc) == good
+        assert "Traceback" not in await asyncio.to_thread(log.read_text)
+
+        async with httpx.AsyncClient() as http:
+            page = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        assert 'lig_registry_refused_total{reason="no_pools"} 1.0' in page
+        assert 'lig_registry_reloads_total{outcome="invalid"} 1.0' in page
+        assert "lig_registry_input_valid 0.0" in page
+    finally:
+        code, _ = stop_within(process, 2.0)
+    assert code == 0
+
+
+def test_check_command_reports_deep_yaml_in_one_line_without_traceback(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("kind: " + "[" * 500 + "]" * 500 + "\n")
+    result = subprocess.run([LIG, "registry", "--check", str(deep)], capture_output=True,
+                            text=True, timeout=DEADLINE)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"{deep}:1: document 1: kind[0][0][0][0][0][0][0]...: invalid YAML: nested deeper than "
+        "64 levels",
+        "invalid: 1 problem(s); nothing would be published",
+    ]

@@ -39,6 +39,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="validate the inputs, print a summary and exit (2 when invalid); "
                              "needs no NATS")
+    parser.add_argument("--allow-empty", action="store_true",
+                        default=os.environ.get("LIG_REGISTRY_ALLOW_EMPTY", "").lower()
+                        in ("1", "true", "yes"),
+                        help="publish inputs that remove every pool, or every endpoint of a pool "
+                             "(an emptied file or folder); without it such an input is refused, "
+                             "logged and counted, and the last good state stays published "
+                             "(env LIG_REGISTRY_ALLOW_EMPTY=1)")
     parser.add_argument("--host", default=os.environ.get("LIG_HOST", "0.0.0.0"),
                         help="address the metrics server listens on (env LIG_HOST)")
     parser.add_argument("--metrics-port", type=int, default=9092,
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> int:
     metrics = RegistryMetrics()
     reconciler = Reconciler(args.paths, metrics, watch_interval=args.watch_interval,
-                            resync_interval=args.resync_interval)
+                            resync_interval=args.resync_interval, allow_empty=args.allow_empty)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reconciler.request_reload)
     # Validate before connecting, so that input errors show even while NATS is unreachable.
     await reconciler.check_inputs()

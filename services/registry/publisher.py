@@ -5,7 +5,9 @@ values are ``shared.schemas.encode(...)`` of the wire messages. A pass reads the
 values, puts the keys whose bytes differ and deletes (a KV delete marker, kept in the history) the
 managed keys no longer desired. Writes are idempotent, so several registry instances with the same
 inputs converge on the same bucket without rewriting it. Puts go pools first and models last,
-deletes the other way round, so a watcher never sees a model whose pool is missing.
+deletes the other way round, so a watcher never sees a model whose pool is missing. A pass that
+would remove every pool, or every endpoint of a pool, is refused before anything is written
+(:mod:`.guard`) unless the caller allows it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from services.registry.guard import Refusal, removal_refusal
 from services.registry.loader import Registry
 from shared.schemas import encode
 from shared.subjects import endpoints_key, model_key, pool_key
@@ -65,6 +68,14 @@ def _rank(key: str) -> int:
     return next((i for i, prefix in enumerate(_ORDER) if key.startswith(prefix)), len(_ORDER))
 
 
+class RemovalRefused(Exception):
+    """A pass wrote nothing because it would have removed every pool or a pool's endpoints."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+        super().__init__(refusal.message)
+
+
 class Publisher:
     """Publishes desired registries into one bucket, creating the bucket when it is missing."""
 
@@ -72,12 +83,20 @@ class Publisher:
         self._js = js
         self._bucket = bucket
 
-    async def publish(self, registry: Registry) -> Plan:
-        """Make the bucket equal to ``registry``; return what was written."""
+    async def publish(self, registry: Registry, *, allow_empty: bool = False) -> Plan:
+        """Make the bucket equal to ``registry``; return what was written.
+
+        Raise :class:`RemovalRefused`, writing nothing, when that would remove every pool or
+        every endpoint of a pool, unless ``allow_empty``.
+        """
         kv = await self._open_bucket()
-        current = await read_bucket(self._js, self._bucket)
-        todo = plan(desired_entries(registry),
-                    {key: entry.value or b"" for key, entry in current.items()})
+        current = {key: entry.value or b""
+                   for key, entry in (await read_bucket(self._js, self._bucket)).items()}
+        desired = desired_entries(registry)
+        refusal = None if allow_empty else removal_refusal(desired, current)
+        if refusal is not None:
+            raise RemovalRefused(refusal)
+        todo = plan(desired, current)
         for key, value in todo.puts:
             await kv.put(key, value)
         for key in todo.deletes:
