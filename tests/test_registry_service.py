@@ -457,3 +457,22 @@ def test_check_command_reports_deep_yaml_in_one_line_without_traceback(tmp_path:
         "64 levels",
         "invalid: 1 problem(s); nothing would be published",
     ]
+
+
+async def test_publishing_thousands_of_models_logs_a_summary_not_every_key(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    inputs = tmp_path / "fleet.yaml"
+    inputs.write_text(dump(pool(), *(model(f"model-{i}") for i in range(2000))))
+    caplog.set_level(logging.INFO, logger="lig.registry")
+    service = Running(inputs, nats_server.url)
+    await service.start()
+    try:
+        await poll_until(lambda: _has_keys(nc, 2002), within=60.0)
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("published")]
+        assert line == ("published: 2002 put, 0 deleted, 0 unchanged (pool.pool-a, "
+                        "endpoints.pool-a, model.pool-a.model-0, model.pool-a.model-1, "
+                        "model.pool-a.model-2 and 1,997 more)")
+        assert max(len(r.getMessage()) for r in caplog.records) < 300
+    finally:
+        await service.stop()
