@@ -3,6 +3,7 @@ and ``lig registry`` as a real process (SIGHUP, SIGTERM, --check, metrics)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,11 +21,13 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 
+from lig import up
+from lig.topology import EXAMPLE_CONFIG
 from services.registry.metrics import RegistryMetrics
 from services.registry.publisher import Publisher, read_bucket
 from services.registry.reconciler import Reconciler
 from shared.nats_connection import NatsSettings, connect
-from shared.schemas import InferenceModel, decode
+from shared.schemas import EndpointSet, InferenceModel, decode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer
 from tests.support.ports import free_port
@@ -335,9 +338,13 @@ async def _sample_is(service: Running, name: str, value: float, **labels: str) -
 
 
 def start_lig(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    return spawn(tmp_path, [LIG, "registry", *args])
+
+
+def spawn(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp_path / f"registry-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen([LIG, "registry", *args], stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     return process, log
 
 
@@ -476,3 +483,49 @@ async def test_publishing_thousands_of_models_logs_a_summary_not_every_key(
         assert max(len(r.getMessage()) for r in caplog.records) < 300
     finally:
         await service.stop()
+
+
+async def test_lig_up_registry_with_free_ports_publishes_the_pods_and_edits_to_the_folder_live(
+    nats_server, nc: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = tmp_path / "local"
+    shutil.copytree(EXAMPLE_CONFIG, example)  # stands for the user's examples/local
+    monkeypatch.setattr(up, "EXAMPLE_CONFIG", example)
+    parser = argparse.ArgumentParser()
+    up.configure(parser)
+    plan, _ = up.make_plan(parser.parse_args([
+        "--free-ports", "--pods", "2", "--nats-url", nats_server.url,
+        "--state-dir", str(tmp_path / "state")]))
+    [spec] = [child for child in plan.children() if child.name == "registry"]
+    process, log = spawn(tmp_path, spec.argv)  # the very command `lig up` runs
+    pool_name = plan.pool
+    sql_lora = f"model.{pool_name}.sql-lora"
+    try:
+        await poll_until(async_check(nc, lambda c: sql_lora in c))
+        endpoints = decode((await bucket(nc))[f"endpoints.{pool_name}"], EndpointSet)
+        assert [e.hostport for e in endpoints.endpoints] == [
+            f"127.0.0.1:{port}" for port in plan.ports.sim_ports(2)]
+        assert criticality(await bucket(nc), sql_lora) == "Sheddable"
+
+        pool_file = example / "pool.yaml"
+        text = pool_file.read_text()
+        await write(pool_file, text.replace("criticality: Sheddable", "criticality: Critical"))
+        await poll_until(async_check(nc, lambda c: criticality(c, sql_lora) == "Critical"))
+        endpoints = decode((await bucket(nc))[f"endpoints.{pool_name}"], EndpointSet)
+        assert [e.port for e in endpoints.endpoints] == plan.ports.sim_ports(2)
+    finally:
+        code, _ = stop_within(process, 2.0)
+    assert code == 0, log.read_text()
+
+
+def test_process_exits_2_on_an_unusable_endpoints_override(inputs: Path, tmp_path: Path) -> None:
+    override = tmp_path / "override.yaml"
+    override.write_text("pool: pool-a\nendpoints: [{name: a, address: 0.0.0.0, port: 1}]\n")
+    result = subprocess.run([LIG, "registry", str(inputs), "--endpoints-override", str(override),
+                             "--nats-url", f"nats://127.0.0.1:{free_port()}"],
+                            capture_output=True, text=True, timeout=DEADLINE)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"lig registry: --endpoints-override {override}: endpoints[0].address: '0.0.0.0' is the "
+        "unspecified address (a listening address meaning any, not a pod's); give the pod's own "
+        "IP address"]

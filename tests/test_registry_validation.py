@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from services.registry.check import check
 from services.registry.files import MAX_FILE_BYTES, FileSnapshot, SourceFile, load, read_files
 from services.registry.loader import InvalidRegistry, Problem
+from services.registry.overrides import OverrideError, apply_override, read_override
 from shared.schemas import Criticality, Endpoint, TargetModel
 from tests.support.registry_yaml import dump, model, pool
 
@@ -480,3 +481,44 @@ def test_loopback_and_ordinary_addresses_stay_allowed() -> None:
         registry = load(FileSnapshot((SourceFile("p.yaml", dump(
             with_spec(POOL, "endpoints[0].address", address))),)))
         assert registry.endpoint_sets[0].endpoints[0].address == address
+
+
+# (case id, override file text, words in the error)
+BAD_OVERRIDES = [
+    ("not a mapping", "- 1\n", "Expected `object`"),
+    ("unknown field", "pool: p\nendpoints: [{name: a, address: 10.0.0.1}]\nports: 1\n",
+     "unknown field `ports`"),
+    ("no endpoints", "pool: p\nendpoints: []\n", "lists no endpoints"),
+    ("unspecified address", "pool: p\nendpoints: [{name: a, address: 0.0.0.0, port: 1}]\n",
+     "endpoints[0].address: '0.0.0.0' is the unspecified address"),
+    ("YAML syntax", "pool: [\n", "expected"),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), [case[1:] for case in BAD_OVERRIDES],
+                         ids=[case[0] for case in BAD_OVERRIDES])
+def test_unusable_endpoints_override_is_a_clear_error(tmp_path: Path, text: str,
+                                                      words: str) -> None:
+    path = tmp_path / "override.yaml"
+    path.write_text(text)
+    with pytest.raises(OverrideError) as caught:
+        read_override(str(path))
+    assert str(caught.value).startswith(f"{path}: ") and words in str(caught.value)
+    with pytest.raises(OverrideError, match="No such file"):
+        read_override(str(tmp_path / "missing.yaml"))
+
+
+def test_endpoints_override_replaces_only_its_pools_endpoints(tmp_path: Path) -> None:
+    registry = load(FileSnapshot((SourceFile("r.yaml", dump(POOL, pool("pool-b"), MODEL)),)))
+    path = tmp_path / "override.yaml"
+    path.write_text("pool: pool-b\nendpoints:\n  - {name: sim-0, address: 127.0.0.1}\n"
+                    "  - {name: sim-1, address: 127.0.0.1, port: 9001}\n")
+    overridden, found = apply_override(registry, read_override(str(path)))
+    assert found
+    sets = {s.pool: s.endpoints for s in overridden.endpoint_sets}
+    assert sets["pool-b"] == (Endpoint("sim-0", "127.0.0.1", 8000),
+                              Endpoint("sim-1", "127.0.0.1", 9001))
+    assert sets["pool-a"] == registry.endpoint_sets[0].endpoints
+    assert (overridden.pools, overridden.models) == (registry.pools, registry.models)
+    path.write_text("pool: elsewhere\nendpoints: [{name: a, address: 127.0.0.1}]\n")
+    assert apply_override(registry, read_override(str(path))) == (registry, False)

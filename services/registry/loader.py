@@ -190,7 +190,7 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
     hostports: set[tuple[str, int]] = set()
     for i, endpoint in enumerate(pool.spec.endpoints or ()):
         at = f"spec.endpoints[{i}]"
-        unusable = _unusable_address(endpoint.address)
+        unusable = unusable_address(endpoint.address)
         if unusable:
             problems.append(document.problem(unusable, f"{at}.address"))
         if endpoint.name in names:
@@ -213,7 +213,7 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
 _LIMITED_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 
 
-def _unusable_address(address: str) -> str | None:
+def unusable_address(address: str) -> str | None:
     """Why requests cannot be sent to ``address``, or None if they can.
 
     Loopback is allowed: local stacks run their pods on 127.0.0.1.

@@ -25,6 +25,7 @@ import nats.errors
 from services.registry.files import FileSnapshot, load, read_files
 from services.registry.loader import InvalidRegistry, Registry
 from services.registry.metrics import RegistryMetrics
+from services.registry.overrides import EndpointsOverride, apply_override
 from services.registry.publisher import Plan, Publisher, RemovalRefused
 from shared.logs import RateLimitedLog
 
@@ -49,11 +50,13 @@ class Reconciler:
         watch_interval: float = 0.5,
         resync_interval: float = 30.0,
         allow_empty: bool = False,
+        override: EndpointsOverride | None = None,
     ) -> None:
         self.paths = tuple(paths)
         self.desired: Registry | None = None
         self.published: Registry | None = None  # the newest state a pass published in full
         self._allow_empty = allow_empty
+        self._override = override
         self._metrics = metrics
         self._watch_interval = watch_interval
         self._resync_interval = resync_interval
@@ -99,6 +102,11 @@ class Reconciler:
             log.error("rejected the inputs (%d problems); %s", len(exc.problems), kept)
             self._metrics.reload_invalid()
             return
+        if self._override is not None:
+            desired, found = apply_override(desired, self._override)
+            if not found:
+                log.warning("--endpoints-override names pool %r, which the inputs do not define",
+                            self._override.pool)
         self._metrics.reload_ok(desired)
         if forced or desired != self.desired:
             log.info("loaded %d pools, %d models, %d endpoint sets from %d files",
