@@ -6,7 +6,9 @@ Setup, on 127.0.0.1: a real nats-server with JetStream. The input is one pool an
 InferenceModels in one YAML file, as a large fleet would have. Reported, medians over
 ``--repeats`` runs:
 
-- load: parse and validate the file (``services.registry.files.load``), wall and CPU;
+- load: parse and validate the file (``services.registry.files.load``), wall and CPU, with each
+  YAML event parser the registry can use (libyaml, the default when PyYAML has it; PyYAML's own
+  Python parser, the baseline);
 - publish passes (``services.registry.publisher.Publisher``), wall and this process's CPU: the
   first pass into an empty bucket (every key put), an unchanged pass (what every resync does:
   read every key, write nothing) and a pass after one model changed.
@@ -35,6 +37,7 @@ import nats
 import yaml
 from nats.js.errors import NotFoundError
 
+from services.registry import files
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.loader import Registry
 from services.registry.publisher import CONCURRENCY, Publisher
@@ -98,16 +101,24 @@ async def main() -> None:
     args = parser.parse_args()
 
     text = fleet_yaml(args.models)
-    loads = []
-    for _ in range(args.repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        registry = load(FileSnapshot((SourceFile("fleet.yaml", text),)))
-        loads.append((time.perf_counter() - wall, time.process_time() - cpu))
-    edited = load(FileSnapshot((SourceFile("fleet.yaml", fleet_yaml(args.models, "Critical")),)))
-    wall, cpu = median(loads)
     print(f"{args.models:,} models, {len(text) / 1e6:.1f} MB of YAML; medians of {args.repeats}")
-    print(f"load: {wall:.2f} s wall, {cpu:.2f} s CPU ({1e6 * cpu / args.models:.0f} µs CPU per "
-          "model)")
+    default = files._loader
+    cpu_by_parser = {}
+    for name, loader in files.LOADERS.items():
+        files._loader = loader
+        loads = []
+        for _ in range(args.repeats):
+            wall, cpu = time.perf_counter(), time.process_time()
+            registry = load(FileSnapshot((SourceFile("fleet.yaml", text),)))
+            loads.append((time.perf_counter() - wall, time.process_time() - cpu))
+        wall, cpu_by_parser[name] = median(loads)
+        print(f"load ({name} parser): {wall:.2f} s wall, {cpu_by_parser[name]:.2f} s CPU "
+              f"({1e6 * cpu_by_parser[name] / args.models:.0f} µs CPU per model)")
+    files._loader = default
+    if "libyaml" in cpu_by_parser:
+        print(f"load CPU ratio python/libyaml: "
+              f"{cpu_by_parser['python'] / cpu_by_parser['libyaml']:.1f}x")
+    edited = load(FileSnapshot((SourceFile("fleet.yaml", fleet_yaml(args.models, "Critical")),)))
 
     with tempfile.TemporaryDirectory() as store:
         server = NatsServer(Path(store))
