@@ -533,3 +533,14 @@ def test_endpoints_override_replaces_only_its_pools_endpoints(tmp_path: Path) ->
     assert (overridden.pools, overridden.models) == (registry.pools, registry.models)
     path.write_text("pool: elsewhere\nendpoints: [{name: a, address: 127.0.0.1}]\n")
     assert apply_override(registry, read_override(str(path))) == (registry, False)
+
+
+def test_check_of_an_empty_folder_says_a_running_registry_would_refuse_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    assert check([str(tmp_path)], sys.stdout, sys.stderr) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "valid: 0 pool(s), 0 model(s) from 0 file(s)",
+        "note: no pools; a running registry refuses to publish this over published pools unless "
+        "--allow-empty (docs/registry.md)"]
