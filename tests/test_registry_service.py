@@ -97,6 +97,17 @@ class Running:
         return self.metrics.registry.get_sample_value(name, labels)
 
 
+@contextlib.asynccontextmanager
+async def serving(inputs: Path, nats_url: str, **options: float | bool) -> AsyncIterator[Running]:
+    """A started :class:`Running`, stopped on leaving."""
+    service = Running(inputs, nats_url, **options)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
 @pytest.fixture
 async def nc(nats_server) -> AsyncIterator[Client]:
     client = await nats.connect(nats_server.url)
@@ -234,10 +245,8 @@ async def test_emptied_file_folder_or_endpoints_are_refused_and_the_state_stays(
     folder.mkdir()
     (folder / "pool.yaml").write_text(dump(pool()))
     (folder / "models.yaml").write_text(dump(model(), model("model-b")))
-    service = Running(folder, nats_server.url, resync_interval=0.3)
-    await service.start()
     caplog.set_level(logging.INFO, logger="lig.registry")
-    try:
+    async with serving(folder, nats_server.url, resync_interval=0.3) as service:
         await poll_until(lambda: _has_keys(nc, 4))
         good = await bucket(nc)
 
@@ -270,8 +279,6 @@ async def test_emptied_file_folder_or_endpoints_are_refused_and_the_state_stays(
         await poll_until(async_check(nc, lambda c: "model.pool-a.model-b" not in c
                                      and c["endpoints.pool-a"] != good["endpoints.pool-a"]))
         assert service.sample("lig_registry_input_valid") == 1
-    finally:
-        await service.stop()
 
 
 async def test_first_start_on_an_empty_folder_keeps_an_earlier_state_and_allow_empty_wipes(
@@ -281,41 +288,28 @@ async def test_first_start_on_an_empty_folder_keeps_an_earlier_state_and_allow_e
     empty.mkdir()
     caplog.set_level(logging.INFO, logger="lig.registry")
     # Nothing published yet anywhere: an empty folder is simply nothing to publish.
-    fresh = Running(empty, nats_server.url)
-    await fresh.start()
-    try:
+    async with serving(empty, nats_server.url) as fresh:
         await poll_until(lambda: _sample_is(fresh, "lig_registry_publishes_total", 1,
                                             outcome="ok"))
         assert "the inputs define no pools" in caplog.text and "REFUSED" not in caplog.text
-    finally:
-        await fresh.stop()
 
     earlier = tmp_path / "earlier.yaml"
     await write(earlier, dump(pool(), model()))
-    first = Running(earlier, nats_server.url)
-    await first.start()
-    await poll_until(lambda: _has_keys(nc, 3))
-    await first.stop()
+    async with serving(earlier, nats_server.url):
+        await poll_until(lambda: _has_keys(nc, 3))
     published = await bucket(nc)
 
-    restarted = Running(empty, nats_server.url, resync_interval=0.2)  # an emptied ConfigMap
-    await restarted.start()
-    try:
+    # A restart on an emptied ConfigMap.
+    async with serving(empty, nats_server.url, resync_interval=0.2) as restarted:
         await poll_until(lambda: _sample_is(restarted, "lig_registry_refused_total", 1,
                                             reason="no_pools"))
         assert "nothing published; the bucket keeps what it holds" in caplog.text
         await asyncio.sleep(0.5)  # resyncs come and go
         assert await bucket(nc) == published
         assert restarted.sample("lig_registry_refused_total", reason="no_pools") == 1
-    finally:
-        await restarted.stop()
 
-    allowed = Running(empty, nats_server.url, allow_empty=True)
-    await allowed.start()
-    try:
+    async with serving(empty, nats_server.url, allow_empty=True):
         await poll_until(lambda: _has_keys(nc, 0))
-    finally:
-        await allowed.stop()
 
 
 def async_check(nc: Client, predicate: Callable[[dict[str, bytes]], bool]
@@ -346,6 +340,11 @@ def spawn(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen[bytes], Pat
     with log.open("wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     return process, log
+
+
+async def metrics_page(port: int) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
 
 
 def stop_within(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:
@@ -379,8 +378,7 @@ async def test_process_reloads_on_sighup_serves_metrics_and_stops_on_sigterm(
         await poll_until(async_check(nc, lambda c: criticality(c) == "Sheddable"
                                      and "model.pool-a.model-b" not in c))
 
-        async with httpx.AsyncClient() as http:
-            page = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        page = await metrics_page(metrics_port)
         assert 'lig_registry_reloads_total{outcome="ok"} 2.0' in page
         assert 'lig_registry_kv_writes_total{op="delete"} 1.0' in page
         assert "lig_registry_last_successful_reload_timestamp_seconds" in page
@@ -442,8 +440,7 @@ async def test_process_survives_deep_yaml_and_an_emptied_folder_keeping_the_stat
         assert await bucket(nc) == good
         assert "Traceback" not in await asyncio.to_thread(log.read_text)
 
-        async with httpx.AsyncClient() as http:
-            page = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        page = await metrics_page(metrics_port)
         assert 'lig_registry_refused_total{reason="no_pools"} 1.0' in page
         assert 'lig_registry_reloads_total{outcome="invalid"} 1.0' in page
         assert "lig_registry_input_valid 0.0" in page
@@ -472,17 +469,13 @@ async def test_publishing_thousands_of_models_logs_a_summary_not_every_key(
     inputs = tmp_path / "fleet.yaml"
     inputs.write_text(dump(pool(), *(model(f"model-{i}") for i in range(2000))))
     caplog.set_level(logging.INFO, logger="lig.registry")
-    service = Running(inputs, nats_server.url)
-    await service.start()
-    try:
+    async with serving(inputs, nats_server.url):
         await poll_until(lambda: _has_keys(nc, 2002), within=60.0)
         [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("published")]
         assert line == ("published: 2002 put, 0 deleted, 0 unchanged (pool.pool-a, "
                         "endpoints.pool-a, model.pool-a.model-0, model.pool-a.model-1, "
                         "model.pool-a.model-2 and 1,997 more)")
         assert max(len(r.getMessage()) for r in caplog.records) < 300
-    finally:
-        await service.stop()
 
 
 async def test_lig_up_registry_with_free_ports_publishes_the_pods_and_edits_to_the_folder_live(
