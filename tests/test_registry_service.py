@@ -522,3 +522,22 @@ def test_process_exits_2_on_an_unusable_endpoints_override(inputs: Path, tmp_pat
         f"lig registry: --endpoints-override {override}: endpoints[0].address: '0.0.0.0' is the "
         "unspecified address (a listening address meaning any, not a pod's); give the pod's own "
         "IP address"]
+
+
+async def test_a_loader_bug_is_logged_and_the_previous_state_kept(
+    inputs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reconciler = Reconciler([str(inputs)], RegistryMetrics())
+    await reconciler.check_inputs()
+    good = reconciler.desired
+    assert good is not None
+
+    def broken(snapshot: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr("services.registry.reconciler.load", broken)  # a bug, not bad input
+    await write(inputs, dump(pool(), model(criticality="Critical")))
+    await reconciler.check_inputs()
+    assert reconciler.desired is good
+    assert "could not load the inputs (a registry bug" in caplog.text
+    assert "RecursionError" in caplog.text

@@ -102,6 +102,13 @@ class Reconciler:
             log.error("rejected the inputs (%d problems); %s", len(exc.problems), kept)
             self._metrics.reload_invalid()
             return
+        except Exception:
+            # Every input error is an InvalidRegistry; anything else is a bug of ours, which must
+            # not take the registry (and `lig up` with it) down or change what is published.
+            log.exception("could not load the inputs (a registry bug: please report it with "
+                          "the input); the previous state stays published")
+            self._metrics.reload_invalid()
+            return
         if self._override is not None:
             desired, found = apply_override(desired, self._override)
             if not found:
