@@ -58,7 +58,8 @@ def _failed_figure(scenario: str, run: LoadRun) -> Figure:
     pct = 100.0 * len(lost) / total if total else 0.0
     causes = LoadRun.causes(lost)
     return Figure(scenario, "requests through Envoy failed",
-                  f"{pct:.1f}% ({len(lost)}/{total}{'; ' + causes if causes else ''})",
+                  f"{pct:.1f}% ({len(lost)}/{total} at {LoadRun.achieved_rate(run.outcomes):.0f}"
+                  f" req/s{'; ' + causes if causes else ''})",
                   f"< {FAILED_TARGET_PCT:g}%", total > 0 and pct < FAILED_TARGET_PCT)
 
 

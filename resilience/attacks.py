@@ -197,7 +197,7 @@ async def write_flood(picker: Picker, opening: bytes, unit: Callable[[int], byte
                 if writer.transport.is_closing() or not await _drain_until(writer, deadline):
                     break
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            figures.closed_by_server = await _closed_by_server(reader, 2.0)
+            figures.closed_by_server = await _closed_by_server(reader, min(2.0, duration))
         except OSError:
             figures.closed_by_server = True
         finally:

@@ -54,7 +54,8 @@ def _lost_figures(fault: str, run: LoadRun) -> list[Figure]:
     wrong = LoadRun.wrong_model(run.outcomes)
     causes = LoadRun.causes(lost)
     return [
-        Figure(fault, "requests lost", f"{len(lost)} of {len(run.outcomes)}"
+        Figure(fault, "requests lost", f"{len(lost)} of {len(run.outcomes)} at "
+                                       f"{LoadRun.achieved_rate(run.outcomes):.0f} req/s"
                                        + (f" ({causes})" if causes else ""),
                "0", bool(run.outcomes) and not lost),
         Figure(fault, "answers naming another model", f"{len(wrong)}", "0", not wrong),
@@ -95,15 +96,16 @@ async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     return _lost_figures("pod-stop", run)
 
 
-async def routed_by_pod(urls: list[str]) -> Counter[str]:
-    """Requests every picker routed, by pod, from their ``/metrics`` (unreachable: skipped)."""
+async def routed_by_pod(urls: list[str]) -> Counter[str] | None:
+    """Requests every picker routed, by pod, from their ``/metrics``; None if one is
+    unreadable (a partial sum would distort the shares)."""
     counts: Counter[str] = Counter()
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
         for url in urls:
             try:
                 page = (await client.get(url)).text
             except httpx.HTTPError:
-                continue
+                return None
             for family in text_string_to_metric_families(page):
                 for sample in family.samples:
                     if (sample.name == "lig_picker_requests_total"
@@ -150,6 +152,9 @@ async def gray_pod(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     finally:
         stack.set_pool_endpoints(list(plan.pods))
         stack.kill(GRAY_POD)
+    if warm is None or end is None:
+        return [Figure("gray-pod", "pickers' request counters", "unreadable", "readable",
+                       False), *_lost_figures("gray-pod", run)]
     delta = end - warm
     total = sum(delta.values())
     share = 100.0 * delta[GRAY_POD] / total if total else 0.0

@@ -51,6 +51,15 @@ class LoadRun:
         return [o for o in outcomes if o.status == 200 and o.error]
 
     @staticmethod
+    def achieved_rate(outcomes: list[Outcome]) -> float:
+        """Requests started per second: below the asked rate when this client was starved."""
+        if len(outcomes) < 2:
+            return 0.0
+        starts = [o.started for o in outcomes]
+        span = max(starts) - min(starts)
+        return (len(outcomes) - 1) / span if span > 0 else 0.0
+
+    @staticmethod
     def causes(outcomes: list[Outcome]) -> str:
         """The most common failures, e.g. ``503 x12, ReadTimeout x3``."""
         counts = Counter(f"{o.status}" if o.status else o.error for o in outcomes
