@@ -1,5 +1,5 @@
 """The attack tools' pure parts: crafted header blocks decode as intended (checked with the
-``hpack`` library), the reply judge, and the figures table."""
+``hpack`` library, frames with h2's ``hyperframe``), the reply judge, and the figures table."""
 
 from __future__ import annotations
 
@@ -7,6 +7,15 @@ import json
 
 import hpack
 import pytest
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    Frame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+)
 
 from resilience import h2wire
 from resilience.bad_http import Reply, judge, openai_error_shape
@@ -64,3 +73,26 @@ def test_the_table_aligns_rows_and_marks_targets() -> None:
     column = lines[0].index("value")
     assert lines[2][column:].startswith("0.10 s") and lines[3][column:] == "10 / 0"
     assert not all_passed(figures) and all_passed(figures[:2])
+
+
+def test_crafted_frames_parse_as_intended_with_the_h2_stack() -> None:
+    """hyperframe (h2's frame layer) reads back what the attacks write."""
+    def parse(data: bytes) -> Frame:
+        parsed, length = Frame.parse_frame_header(memoryview(data[:9]))
+        parsed.parse_body(memoryview(data[9:9 + length]))
+        return parsed
+
+    ping = parse(h2wire.frame(h2wire.PING, 0, 0, b"12345678"))
+    assert isinstance(ping, PingFrame) and ping.opaque_data == b"12345678"
+    window = parse(h2wire.settings(initial_window_size=0, enable_push=0))
+    assert isinstance(window, SettingsFrame)
+    assert window.settings == {SettingsFrame.INITIAL_WINDOW_SIZE: 0,
+                               SettingsFrame.ENABLE_PUSH: 0}
+    headers = parse(h2wire.frame(h2wire.HEADERS, h2wire.END_HEADERS, 3, b"\xbe"))
+    assert isinstance(headers, HeadersFrame) and headers.stream_id == 3
+    assert "END_HEADERS" in headers.flags and headers.data == b"\xbe"
+    reset = parse(h2wire.frame(h2wire.RST_STREAM, 0, 5, h2wire.CANCEL.to_bytes(4, "big")))
+    assert isinstance(reset, RstStreamFrame) and reset.error_code == 8
+    assert isinstance(parse(h2wire.frame(h2wire.CONTINUATION, 0, 1)), ContinuationFrame)
+    data = parse(h2wire.frame(h2wire.DATA, 0, 1, h2wire.REQUEST_HEADERS_MESSAGE))
+    assert isinstance(data, DataFrame) and data.data[5:] == h2wire.REQUEST_HEADERS_MESSAGE[5:]
