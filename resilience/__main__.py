@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return gray_pod.run(args)
     if args.tool == "attack" and args.gateway is not None and not args.picker:
         parser.error("--gateway needs at least one --picker PORT")
+    if args.rate <= 0 or getattr(args, "duration", 1) <= 0:
+        parser.error("--rate and --duration must be above 0")
     try:
         return asyncio.run(_attack(args) if args.tool == "attack" else _chaos(args))
     except RuntimeError as exc:  # the stack did not start

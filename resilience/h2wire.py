@@ -12,6 +12,7 @@ import statistics
 import time
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hpack.hpack import encode_integer
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
@@ -41,16 +42,9 @@ def settings(**values: int) -> bytes:
 
 def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
     """An HPACK integer with an N-bit prefix; ``first`` holds the bits above the prefix."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append(value % 128 + 128)
-        value //= 128
-    out.append(value)
-    return bytes(out)
+    encoded = encode_integer(value, prefix_bits)
+    encoded[0] |= first
+    return bytes(encoded)
 
 
 def literal(name: bytes, value: bytes, indexed: bool = False) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -111,8 +112,10 @@ class OwnedStack:
 
     async def wait_ready(self, within: float) -> str | None:
         """Wait until every service is ready again; None when it is, else what is not."""
-        return await readiness.wait_until_ready(self.plan, self.supervisor, asyncio.Event(),
-                                                within)
+        # Its progress lines ("lig up: nats ready ...") are lig up's, not this tool's output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return await readiness.wait_until_ready(self.plan, self.supervisor,
+                                                    asyncio.Event(), within)
 
     def set_pool_endpoints(self, endpoints: list[Endpoint]) -> None:
         """Replace the pool's endpoints in the registry's input folder (the registry watches it).
