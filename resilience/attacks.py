@@ -142,7 +142,7 @@ async def stream_flood(picker: Picker, streams: int, settings_frames: int,
         pass  # the server hung up: the counts say how far the attack got
     finally:
         reading.cancel()
-        await w.close(writer)
+        w.close(writer)
     result.refused = counts["refused"]
     result.goaway = bool(counts["goaway"])
     if cpu_before is not None and picker.pid:
@@ -201,7 +201,7 @@ async def write_flood(picker: Picker, opening: bytes, unit: Callable[[int], byte
         except OSError:
             figures.closed_by_server = True
         finally:
-            await w.close(writer)
+            w.close(writer)
             await asyncio.sleep(0.1)  # a last sample after the connection is gone
     figures.rss_growth_mb = memory.growth_mb
     if cpu_before is not None and picker.pid:
@@ -286,5 +286,6 @@ async def slow_peers(picker: Picker, count: int, wait: float) -> SlowResult:
         result.idle_closed = sum(closed[: len(idle)])
         result.partial_closed = sum(closed[len(idle):])
     finally:
-        await asyncio.gather(*(w.close(writer) for _, writer in idle + partial))
+        for _, writer in idle + partial:
+            w.close(writer)
     return result

@@ -7,12 +7,13 @@ Nothing here validates anything; the server under test must.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack.hpack import encode_integer
+
+from shared.service import cancel_and_wait
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
@@ -85,11 +86,9 @@ async def open_connection(host: str, port: int, connect_within: float = 5.0,
         asyncio.open_connection(host, port, limit=1 << 24), connect_within)
 
 
-async def close(writer: asyncio.StreamWriter) -> None:
-    """Close without waiting on a peer that may not read (abort after a short grace)."""
-    writer.close()
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(writer.wait_closed(), 1.0)
+def close(writer: asyncio.StreamWriter) -> None:
+    """Drop the connection at once: a peer under attack may never read what is still queued,
+    and no await here means a cancellation cannot be lost in it."""
     writer.transport.abort()
 
 
@@ -103,7 +102,7 @@ async def ping_once(host: str, port: int, within: float) -> float | None:
                 writer.write(PREFACE + settings() + frame(PING, 0, 0, b"settled?"))
                 await PingProbe.await_ack(reader, writer, b"settled?")
             finally:
-                await close(writer)
+                close(writer)
     except (OSError, TimeoutError, asyncio.IncompleteReadError):
         return None
     return time.perf_counter() - started
@@ -125,6 +124,7 @@ class PingProbe:
         self.rtts: list[float] = []
         self.failures = 0
         self._waiting_since: float | None = None
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -133,10 +133,9 @@ class PingProbe:
 
     async def stop(self) -> None:
         """Stop probing; a PING still unanswered counts with its wait so far (a lower bound)."""
+        self._stopping = True  # ends the loop even if a cancellation is swallowed on the way
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task, grace=self.timeout)
         if self._waiting_since is not None:
             self.rtts.append(time.perf_counter() - self._waiting_since)
             self._waiting_since = None
@@ -152,7 +151,7 @@ class PingProbe:
 
     async def _run(self) -> None:
         counter = 0
-        while True:
+        while not self._stopping:
             try:
                 reader, writer = await open_connection(self.host, self.port, self.timeout)
             except (OSError, TimeoutError):
@@ -161,7 +160,7 @@ class PingProbe:
                 continue
             try:
                 writer.write(PREFACE + settings())
-                while True:
+                while not self._stopping:
                     counter += 1
                     payload = counter.to_bytes(8, "big")
                     self._waiting_since = sent = time.perf_counter()
@@ -180,7 +179,7 @@ class PingProbe:
             except (OSError, asyncio.IncompleteReadError):
                 self.failures += 1
             finally:
-                await close(writer)
+                close(writer)
 
     @staticmethod
     async def await_ack(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
