@@ -14,6 +14,7 @@ from collections.abc import Callable
 from resilience import attack, chaos, gray_pod
 from resilience.report import Figure, all_passed, table
 from resilience.stack import Picker, attach, own_stack
+from shared.logs import setup_logging
 
 EXIT_MISSED = 1
 EXIT_BAD_USAGE = 2
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gateway needs at least one --picker PORT")
     if args.rate <= 0 or getattr(args, "duration", 1) <= 0:
         parser.error("--rate and --duration must be above 0")
+    # As in lig up: the readiness checks' NATS client would log its reconnects and closes.
+    setup_logging("resilience", "ERROR")
     try:
         return asyncio.run(_attack(args) if args.tool == "attack" else _chaos(args))
     except RuntimeError as exc:  # the stack did not start

@@ -4,7 +4,8 @@ Scenarios (``--only`` picks some): ``flood`` (both pickers at once, while reques
 Envoy), ``amplification``, ``slow``, ``control`` (on the first picker) and ``http`` (through
 Envoy). Targets come from issue 13: a PING answered within 1 s, under 20 MiB of RSS growth,
 under 1% of requests through Envoy failing, every bad request answered with a status and an
-OpenAI-shaped error, slow and flooding connections closed by the picker.
+OpenAI-shaped error, slow and flooding connections closed by the picker. A baseline (the same
+probes and load, no attack) comes first, for comparison within the same run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PING_TARGET_S = 1.0
 RSS_TARGET_MB = 20.0
 FAILED_TARGET_PCT = 1.0
 SETTLE_S = 20.0
+BASELINE_S = 3.0
 
 
 class AttackSettings(msgspec.Struct, frozen=True):
@@ -174,6 +176,20 @@ async def bad_requests(target: Target, settings: AttackSettings) -> list[Figure]
             for name, passed, shown, _ in results]
 
 
+async def baseline(target: Target, settings: AttackSettings) -> list[Figure]:
+    """The same probes and load with no attack: what the figures under attack compare to."""
+    seconds = min(settings.duration, BASELINE_S)
+    run = LoadRun()
+    async with _under_load(target, settings, target.pickers, run, seconds) as probes:
+        await asyncio.sleep(seconds)
+    figures = []
+    for picker, probe in zip(target.pickers, probes, strict=True):
+        figure = _ping_figure("baseline", picker, probe)
+        figures.append(msgspec.structs.replace(figure, target="", passed=None))
+    failed = _failed_figure("baseline", run)
+    return [*figures, msgspec.structs.replace(failed, target="", passed=None)]
+
+
 RUNNERS = {"flood": stream_flood, "amplification": amplification, "slow": slow,
            "control": control, "http": bad_requests}
 
@@ -181,11 +197,12 @@ RUNNERS = {"flood": stream_flood, "amplification": amplification, "slow": slow,
 async def run_attacks(current: Callable[[], Target], settings: AttackSettings,
                       recover: Callable[[Picker], Awaitable[None]] | None = None,
                       ) -> list[Figure]:
-    """Every chosen scenario, one after the other, each on ``current()`` (pids change when a
-    picker is restarted). A picker that does not answer a PING within ``SETTLE_S`` after a
-    scenario is reported, then handed to ``recover`` (a started stack restarts it) so that the
-    next scenario measures a fresh picker rather than the previous one's aftermath."""
-    figures: list[Figure] = []
+    """A baseline, then every chosen scenario, one after the other, each on ``current()``
+    (pids change when a picker is restarted). A picker that does not answer a PING within
+    ``SETTLE_S`` after a scenario is reported, then handed to ``recover`` (a started stack
+    restarts it) so that the next scenario measures a fresh picker rather than the previous
+    one's aftermath."""
+    figures = await baseline(current(), settings)
     for scenario in settings.scenarios:
         target = current()
         try:

@@ -38,6 +38,7 @@ async def test_every_attack_and_one_fault_run_and_report() -> None:
         assert stack.unexpected_exit() is None
 
     for picker in ("picker-0", "picker-1"):
+        assert _named(figures, "baseline", f"{picker} PING answered within").passed is None
         opened = _named(figures, "stream flood", f"{picker} streams opened / refused")
         assert opened.value.startswith("200 / ")
         ping = _named(figures, "stream flood", f"{picker} PING answered within")
