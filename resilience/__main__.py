@@ -61,6 +61,11 @@ def configure_attack(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amplification-seconds", type=float,
                         default=defaults.amplification_seconds,
                         help="seconds the amplification's connection is held (memory watched)")
+    parser.add_argument("--header-frames", type=int, default=defaults.header_frames,
+                        help="1 MiB HEADERS frames of HPACK table-size updates (buffering)")
+    parser.add_argument("--partial-streams", type=int, default=defaults.partial_streams,
+                        help="streams each sending 8 MiB of a never-completed message "
+                             "(buffering)")
     parser.add_argument("--control-frames", type=int, default=defaults.control_frames,
                         help="frames of each control-frame flood")
     parser.add_argument("--slow-connections", type=int, default=defaults.slow_connections,
@@ -108,7 +113,8 @@ async def _attack(args: argparse.Namespace) -> int:
     settings = attack.AttackSettings(
         scenarios=args.only, duration=args.duration, rate=args.rate, streams=args.streams,
         settings_frames=args.settings_frames, amplification_frames=args.amplification_frames,
-        amplification_seconds=args.amplification_seconds,
+        amplification_seconds=args.amplification_seconds, header_frames=args.header_frames,
+        partial_streams=args.partial_streams,
         control_frames=args.control_frames, slow_connections=args.slow_connections)
     if args.gateway is not None:
         target = attach(args.gateway, args.picker, [])

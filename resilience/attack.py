@@ -1,11 +1,11 @@
 """The attack run: each scenario against a running stack, under client traffic, as figures.
 
 Scenarios (``--only`` picks some): ``flood`` (both pickers at once, while requests go through
-Envoy), ``amplification``, ``slow``, ``control`` (on the first picker) and ``http`` (through
-Envoy). Targets come from issue 13: a PING answered within 1 s, under 20 MiB of RSS growth,
-under 1% of requests through Envoy failing, every bad request answered with a status and an
-OpenAI-shaped error, slow and flooding connections closed by the picker. A baseline (the same
-probes and load, no attack) comes first, for comparison within the same run.
+Envoy), ``amplification``, ``buffering``, ``slow``, ``control`` (on the first picker) and
+``http`` (through Envoy). Targets come from issue 13: a PING answered within 1 s, under 20 MiB
+of RSS growth, under 1% of requests through Envoy failing, every bad request answered with a
+status and an OpenAI-shaped error, slow and flooding connections closed by the picker. A
+baseline (the same probes and load, no attack) comes first, for comparison within the same run.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import httpx
 import msgspec
 
 from resilience import attacks, bad_http
+from resilience import h2wire as w
 from resilience.h2wire import PingProbe, ping_once
 from resilience.load import LoadRun, steady_load
 from resilience.report import Figure
 from resilience.stack import Picker, Target
 
-SCENARIOS = ("flood", "amplification", "slow", "control", "http")
+SCENARIOS = ("flood", "amplification", "buffering", "slow", "control", "http")
 PING_TARGET_S = 1.0
 RSS_TARGET_MB = 20.0
 FAILED_TARGET_PCT = 1.0
@@ -41,6 +42,8 @@ class AttackSettings(msgspec.Struct, frozen=True):
     settings_frames: int = 10
     amplification_frames: int = 5_000
     amplification_seconds: float = 30.0  # the picker may take this long to answer them all
+    header_frames: int = 5
+    partial_streams: int = 12  # each gets 8 MiB of a message that claims 60 MiB
     control_frames: int = 50_000
     slow_connections: int = 100
     request_timeout: float = 20.0
@@ -128,6 +131,31 @@ async def amplification(target: Target, settings: AttackSettings) -> list[Figure
     ]
 
 
+async def buffering(target: Target, settings: AttackSettings) -> list[Figure]:
+    """Huge header blocks, then never-completed messages, each on its own connection to the
+    first picker, answers unread."""
+    picker = target.pickers[0]
+    figures = []
+    floods = (("huge header block", attacks.table_size_updates, settings.header_frames,
+               "1 MiB HEADERS frames"),
+              ("partial messages", attacks.partial_message_chunk,
+               settings.partial_streams * attacks.PARTIAL_CHUNKS, "1 MiB frames"))
+    for name, unit, count, unit_name in floods:
+        run = LoadRun()
+        async with _under_load(target, settings, (picker,), run, settings.duration) as probes:
+            result = await attacks.write_flood(picker, w.PREFACE + w.settings(), unit, count,
+                                               settings.duration, batch_units=1)
+        figures += [
+            Figure(name, "sent", f"{result.units_sent} {unit_name}"
+                                 + (", then closed by the picker" if result.closed_by_server
+                                    else "")),
+            _rss_figure(name, picker, result.rss_growth_mb),
+            _ping_figure(name, picker, probes[0]),
+            _failed_figure(name, run),
+        ]
+    return figures
+
+
 async def slow(target: Target, settings: AttackSettings) -> list[Figure]:
     """Connections that send nothing or half a preface, held for the scenario's duration."""
     picker = target.pickers[0]
@@ -190,7 +218,8 @@ async def baseline(target: Target, settings: AttackSettings) -> list[Figure]:
     return [*figures, msgspec.structs.replace(failed, target="", passed=None)]
 
 
-RUNNERS = {"flood": stream_flood, "amplification": amplification, "slow": slow,
+RUNNERS = {"flood": stream_flood, "amplification": amplification, "buffering": buffering,
+           "slow": slow,
            "control": control, "http": bad_requests}
 
 

@@ -6,6 +6,8 @@ picker's resident memory and CPU from /proc, and what the attacking connection g
   is parked, then SETTINGS frames that make the server revisit the parked answers;
 - amplification: a long non-UTF-8 ``:path`` indexed once in HPACK, then tiny HEADERS frames
   that reference it, never reading the answers;
+- buffering: 1 MiB HEADERS frames of HPACK table-size updates, and never-completed messages
+  (12 streams x 8 MiB);
 - slow peers: connections that send nothing, or half a preface;
 - control-frame floods: PING, SETTINGS, rapid reset (HEADERS + RST_STREAM), empty CONTINUATION.
 """
@@ -175,10 +177,10 @@ async def _closed_by_server(reader: asyncio.StreamReader, within: float) -> bool
 
 
 async def write_flood(picker: Picker, opening: bytes, unit: Callable[[int], bytes], count: int,
-                      duration: float) -> FloodFigures:
-    """Send ``opening``, then ``unit(i)`` for i < ``count`` in batches, never reading, until
-    done, the server hangs up, or ``duration`` passes; then hold the connection for what is left
-    of ``duration`` while memory is watched."""
+                      duration: float, batch_units: int = 500) -> FloodFigures:
+    """Send ``opening``, then ``unit(i)`` for i < ``count`` in batches of ``batch_units``, never
+    reading, until done, the server hangs up, or ``duration`` passes; then hold the connection
+    for what is left of ``duration`` while memory is watched."""
     figures = FloodFigures()
     deadline = time.monotonic() + duration
     cpu_before = cpu_seconds(picker.pid) if picker.pid else None
@@ -189,11 +191,12 @@ async def write_flood(picker: Picker, opening: bytes, unit: Callable[[int], byte
             figures.bytes_sent += len(opening)
             index = 0
             while index < count and time.monotonic() < deadline:
-                batch = b"".join(unit(i) for i in range(index, min(count, index + 500)))
+                end = min(count, index + batch_units)
+                batch = b"".join(unit(i) for i in range(index, end))
                 writer.write(batch)
                 figures.bytes_sent += len(batch)
-                figures.units_sent += min(count, index + 500) - index
-                index += 500
+                figures.units_sent += end - index
+                index = end
                 if writer.transport.is_closing() or not await _drain_until(writer, deadline):
                     break
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -247,6 +250,30 @@ CONTROL_FLOODS: dict[str, ControlFlood] = {
         w.PREFACE + w.settings() + w.frame(w.HEADERS, 0, 1, w.request_block()),
         lambda i: w.frame(w.CONTINUATION, 0, 1), "CONTINUATIONs"),
 }
+
+
+MIB_FRAME = (1 << 20) - 16  # within the 1 MiB frames the picker advertises it accepts
+
+
+def table_size_updates(index: int) -> bytes:
+    """A HEADERS frame (stream ``2 * index + 1``) of nothing but HPACK table-size updates,
+    almost 1 MiB of them: the header-block limit must apply to HEADERS too (item 2b)."""
+    return w.frame(w.HEADERS, w.END_HEADERS, 2 * index + 1, b"\x20" * MIB_FRAME)
+
+
+PARTIAL_CHUNKS = 8  # 1 MiB frames per stream
+CLAIMED_MESSAGE = 60 << 20  # below the picker's 64 MiB message limit, never completed
+
+
+def partial_message_chunk(index: int) -> bytes:
+    """Chunk ``index`` of streams carrying 8 MiB each of gRPC messages that claim 60 MiB and
+    never complete: buffered bytes per connection must be bounded (item 2c)."""
+    stream_id = 2 * (index // PARTIAL_CHUNKS) + 1
+    if index % PARTIAL_CHUNKS == 0:
+        head = b"\x00" + CLAIMED_MESSAGE.to_bytes(4, "big")
+        return (w.frame(w.HEADERS, w.END_HEADERS, stream_id, w.request_block())
+                + w.frame(w.DATA, 0, stream_id, head + b"x" * (MIB_FRAME - len(head))))
+    return w.frame(w.DATA, 0, stream_id, b"x" * MIB_FRAME)
 
 
 class SlowResult(msgspec.Struct):

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(90)
 
 SHORT_ATTACKS = AttackSettings(duration=1.0, rate=20, streams=200, settings_frames=3,
                                amplification_frames=100, amplification_seconds=1.0,
+                               header_frames=1, partial_streams=1,
                                control_frames=2000, slow_connections=5, request_timeout=10)
 ONE_FAULT = chaos.ChaosSettings(faults=("collector",), rate=20, before=0.5, outage=1.0,
                                 settle=1.0, request_timeout=10)
@@ -44,6 +45,8 @@ async def test_every_attack_and_one_fault_run_and_report() -> None:
         ping = _named(figures, "stream flood", f"{picker} PING answered within")
         assert int(re.search(r"(\d+) pings", ping.value)[1]) > 0  # type: ignore[index]
     assert _named(figures, "amplification", "sent").value.startswith("100 HEADERS frames")
+    assert _named(figures, "huge header block", "sent").value.startswith("1 1 MiB HEADERS")
+    assert _named(figures, "partial messages", "sent").value.startswith("8 1 MiB frames")
     assert re.fullmatch(r"\d+/5", _named(
         figures, "slow peers", "silent connections closed within 1 s").value)
     for flood in attacks.CONTROL_FLOODS:
