@@ -53,7 +53,8 @@ def _ping_figure(scenario: str, picker: Picker, probe: PingProbe) -> Figure:
     worst = probe.worst
     shown = f"{worst:.2f} s" if worst < probe.timeout else f">= {probe.timeout:g} s (no answer)"
     return Figure(scenario, f"{picker.name} PING answered within",
-                  f"{shown} (median {probe.median * 1000:.1f} ms, {len(probe.rtts)} pings)",
+                  f"{shown} (median {probe.median * 1000:.1f} ms, {len(probe.rtts)} pings"
+                  + (f", {probe.failures} failed" if probe.failures else "") + ")",
                   f"< {PING_TARGET_S:g} s", bool(probe.rtts) and worst < PING_TARGET_S)
 
 
@@ -170,6 +171,7 @@ async def slow(target: Target, settings: AttackSettings) -> list[Figure]:
         Figure("slow peers", f"half-preface connections closed {within}",
                f"{result.partial_closed}/{result.partial}", "all",
                result.partial > 0 and result.partial_closed == result.partial),
+        Figure("slow peers", "connections not accepted", f"{result.refused}"),
         _ping_figure("slow peers", picker, probes[0]),
         _failed_figure("slow peers", run),
     ]

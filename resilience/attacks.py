@@ -105,7 +105,6 @@ async def _count_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
                 counts["refused"] += 1
             elif kind == w.GOAWAY:
                 counts["goaway"] += 1
-            counts[f"type{kind}"] += 1
 
 
 async def stream_flood(picker: Picker, streams: int, settings_frames: int,

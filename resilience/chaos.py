@@ -63,7 +63,8 @@ def _lost_figures(fault: str, run: LoadRun) -> list[Figure]:
 
 
 def _with_load(stack: OwnedStack, settings: ChaosSettings, seconds: float,
-                     run: LoadRun) -> asyncio.Task[LoadRun]:
+               run: LoadRun) -> asyncio.Task[LoadRun]:
+    """Start ``seconds`` of steady load through the stack's Envoy, recorded in ``run``."""
     return asyncio.create_task(steady_load(stack.target.gateway, settings.rate, seconds, run,
                                            settings.request_timeout))
 
@@ -71,8 +72,7 @@ def _with_load(stack: OwnedStack, settings: ChaosSettings, seconds: float,
 async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSettings) -> list[Figure]:
     """SIGKILL the fault's service under load, start it again after the outage."""
     run = LoadRun()
-    load = _with_load(stack, settings,
-                            settings.before + settings.outage + settings.settle, run)
+    load = _with_load(stack, settings, settings.before + settings.outage + settings.settle, run)
     await asyncio.sleep(settings.before)
     stack.kill(KILLED[fault])
     await asyncio.sleep(settings.outage)
@@ -84,8 +84,7 @@ async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSetting
 async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     """SIGSTOP one pod under load, SIGCONT it after ``pod_stop`` seconds."""
     run = LoadRun()
-    load = _with_load(stack, settings,
-                            settings.before + settings.pod_stop + settings.settle, run)
+    load = _with_load(stack, settings, settings.before + settings.pod_stop + settings.settle, run)
     await asyncio.sleep(settings.before)
     stack.pause(STOPPED_POD, True)
     try:
