@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint bench clean
+.PHONY: up test lint bench attack chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ lint: $(STAMP)
 # Every speed benchmark in bench/, one after the other (several minutes; see bench/README.md).
 bench: $(STAMP)
 	for script in bench/bench_*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
+
+# Attack and chaos runs against a stack each starts on free loopback ports (minutes; bounded;
+# see docs/resilience.md). ARGS passes flags, e.g. make attack ARGS='--only flood'.
+attack: $(STAMP)
+	$(BIN)/python -m resilience attack $(ARGS)
+
+chaos: $(STAMP)
+	$(BIN)/python -m resilience chaos $(ARGS)
 
 clean:
 	rm -rf $(VENV) .lig .pytest_cache build *.egg-info

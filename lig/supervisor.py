@@ -170,8 +170,29 @@ class Supervisor:
             raise ValueError(f"a child named {spec.name!r} was already started")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{spec.name}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
+        child = Child(spec, self._spawn(spec, log_path, "wb"), log_path)
+        self.children.append(child)
+        self._followers[spec.name] = _LogFollower(log_path)
+        self._prefix_width = max(self._prefix_width, len(spec.name))
+        return child
+
+    def restart(self, name: str) -> Child:
+        """Start the exited child ``name`` again, with the same spec, appending to its log.
+
+        ``lig up`` never does this (a death stops the stack); the chaos tool restarts the
+        services it killed.
+        """
+        index, old = next((i, c) for i, c in enumerate(self.children) if c.name == name)
+        if not old.exited():
+            raise ValueError(f"{name} is still running")
+        child = Child(old.spec, self._spawn(old.spec, old.log_path, "ab"), old.log_path)
+        self.children[index] = child
+        return child
+
+    @staticmethod
+    def _spawn(spec: ChildSpec, log_path: Path, mode: str) -> subprocess.Popen[bytes]:
+        with log_path.open(mode) as log:
+            return subprocess.Popen(
                 spec.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -180,11 +201,6 @@ class Supervisor:
                 start_new_session=True,
                 preexec_fn=_parent_death_signal(),
             )
-        child = Child(spec, process, log_path)
-        self.children.append(child)
-        self._followers[spec.name] = _LogFollower(log_path)
-        self._prefix_width = max(self._prefix_width, len(spec.name))
-        return child
 
     def first_exited(self) -> Child | None:
         """The first child (in start order) that exited although nobody asked it to."""

@@ -12,6 +12,11 @@ import pytest
 
 from services.collector import http_transport
 from services.collector.http_transport import KeepAliveTransport, scrape_client
+from services.collector.main import CollectorSettings
+from services.collector.observability import CollectorMetrics
+from services.collector.scraper import Scraper
+from services.collector.targets import ScrapeTarget
+from shared.nats_connection import NatsSettings
 from tests.support.metrics_pages import PageServers, fixture_page
 from tests.support.ports import free_port
 
@@ -127,3 +132,33 @@ async def test_a_cancelled_exchange_drops_its_connection(client: httpx.AsyncClie
     server.delay_s = 0
     assert (await client.get(url)).content == PAGE
     assert len({request.client_port for request in server.requests}) == 2
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_50_mb_page_is_reported_too_large_not_as_a_timeout(
+    page_servers: PageServers, chunked: bool
+) -> None:
+    """Issue 13 item 10: the size cap, not the scrape timeout, must explain a huge page."""
+    huge = PAGE * (50 * 1024 * 1024 // len(PAGE) + 1)
+    server = page_servers.start(huge, chunked=chunked)
+    metrics = CollectorMetrics()
+    # Announced sizes are refused at the default timeout; a chunked page must be read up to the
+    # cap, which gets a timeout a loaded machine can meet.
+    default_timeout = CollectorSettings(NatsSettings(url="unused"), "test").scrape_timeout_s
+    scraper = Scraper(2.0 if chunked else default_timeout,
+                      "lig-collector/test", metrics)
+    target = ScrapeTarget(pool="main", pod="huge", address=f"127.0.0.1:{server.port}",
+                          url=f"http://127.0.0.1:{server.port}/metrics", subject="unused")
+    try:
+        snapshot = await scraper.scrape(target, seq=1)
+        assert not snapshot.ok
+        assert (snapshot.error or "").startswith("too large"), snapshot.error
+        assert metrics.registry.get_sample_value(
+            "lig_collector_scrapes_total", {"outcome": "too_large"}) == 1
+        assert metrics.registry.get_sample_value(
+            "lig_collector_scrapes_total", {"outcome": "timeout"}) == 0
+        # The oversized exchange dropped its connection; a sane page is then read normally.
+        server.page = PAGE
+        assert (await scraper.scrape(target, seq=2)).ok
+    finally:
+        await scraper.aclose()

@@ -177,3 +177,23 @@ def test_children_die_with_a_supervisor_killed_by_sigkill(tmp_path: Path) -> Non
         wait_until(lambda: not pid_alive(orphan), within=5, what="child of a killed supervisor")
     finally:
         holder.kill()
+
+
+def test_restart_starts_an_exited_child_again_appending_to_its_log(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path / "logs")
+    first = supervisor.start(python_child("c", SLEEPER))
+    wait_until(lambda: "ready" in first.last_lines(), within=10)
+    with pytest.raises(ValueError, match="still running"):
+        supervisor.restart("c")
+
+    first.stopping = True
+    first.signal_group(signal.SIGKILL)
+    first.process.wait(5)
+    second = supervisor.restart("c")
+    try:
+        wait_until(lambda: second.last_lines().count("ready") == 2, within=10)
+        assert second.pid != first.pid and second.log_path == first.log_path
+        assert supervisor.children == [second] and supervisor.first_exited() is None
+    finally:
+        assert supervisor.stop_all(timeout=4) == []
+    assert not pid_alive(second.pid)

@@ -19,10 +19,16 @@ import ssl
 import h11
 import httpx
 
-# A metrics page is tens of kilobytes; anything this large is a misconfigured endpoint.
-MAX_PAGE_BYTES = 32 * 1024 * 1024
+# A vLLM metrics page is tens of kilobytes; anything this large is a misconfigured endpoint.
+# Small enough that a page streamed without Content-Length reaches it well within a scrape
+# timeout on a fast link, so it is reported as too large rather than as a timeout.
+MAX_PAGE_BYTES = 4 * 1024 * 1024
 
 Origin = tuple[str, str, int]
+
+
+class PageTooLarge(httpx.RemoteProtocolError):
+    """The response body is (or announces to be) larger than ``MAX_PAGE_BYTES``."""
 
 
 def _origin(url: httpx.URL) -> Origin:
@@ -85,13 +91,14 @@ class _Connection(asyncio.Protocol):
         while isinstance(response, h11.InformationalResponse):
             response = await self._next_event()
         assert isinstance(response, h11.Response)
+        _refuse_announced_oversize(response)
         chunks: list[bytes] = []
         size = 0
         while not isinstance(event := await self._next_event(), h11.EndOfMessage):
             assert isinstance(event, h11.Data)
             size += len(event.data)
             if size > MAX_PAGE_BYTES:
-                raise httpx.RemoteProtocolError(f"response larger than {MAX_PAGE_BYTES} bytes")
+                raise PageTooLarge(f"response larger than {MAX_PAGE_BYTES} bytes")
             chunks.append(event.data)
         if self._h11.their_state is h11.DONE and self._h11.our_state is h11.DONE:
             self._h11.start_next_cycle()  # keep-alive; otherwise the connection is not reused
@@ -114,6 +121,17 @@ class _Connection(asyncio.Protocol):
                 raise httpx.ReadError("connection closed before the response was complete")
             self._readable = asyncio.get_running_loop().create_future()
             await self._readable
+
+
+def _refuse_announced_oversize(response: h11.Response) -> None:
+    """Refuse a response whose Content-Length exceeds the cap before reading any of its body.
+
+    Reading it first would take longer than a scrape timeout, which then hides the cause.
+    """
+    for name, value in response.headers:
+        if name == b"content-length" and value.isdigit() and int(value) > MAX_PAGE_BYTES:
+            raise PageTooLarge(
+                f"response of {int(value)} bytes is larger than {MAX_PAGE_BYTES} bytes")
 
 
 class KeepAliveTransport(httpx.AsyncBaseTransport):

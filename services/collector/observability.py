@@ -16,7 +16,8 @@ class CollectorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.scrapes = Counter("lig_collector_scrapes", "Pod scrapes by outcome",
+        self.scrapes = Counter("lig_collector_scrapes", "Pod scrapes by outcome (ok, timeout, "
+                               "connect_error, http_status, transport_error, too_large, bad_page)",
                                ["outcome"], registry=r)
         self.scrape_duration = Histogram(
             "lig_collector_scrape_duration_seconds",

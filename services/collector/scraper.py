@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from services.collector.http_transport import KeepAliveTransport, scrape_client
+from services.collector.http_transport import KeepAliveTransport, PageTooLarge, scrape_client
 from services.collector.observability import CollectorMetrics
 from services.collector.targets import ScrapeTarget
 from shared.schemas import PodMetrics
@@ -30,6 +30,7 @@ class Outcome(enum.StrEnum):
     CONNECT_ERROR = "connect_error"
     HTTP_STATUS = "http_status"
     TRANSPORT_ERROR = "transport_error"
+    TOO_LARGE = "too_large"
     BAD_PAGE = "bad_page"
 
 
@@ -99,6 +100,8 @@ class Scraper:
             ) from None
         except httpx.ConnectError as exc:
             raise ScrapeFailed(Outcome.CONNECT_ERROR, f"connect failed: {exc}") from None
+        except PageTooLarge as exc:
+            raise ScrapeFailed(Outcome.TOO_LARGE, f"too large: {exc}") from None
         except httpx.HTTPError as exc:
             raise ScrapeFailed(Outcome.TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}") from None
         if response.status_code != 200:

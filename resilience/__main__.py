@@ -1,0 +1,182 @@
+"""``python -m resilience {attack,chaos,gray-pod}``: see docs/resilience.md.
+
+``attack`` and ``chaos`` print a table of figures and exit 0 when every target is met, 1 when
+one is missed, 2 on bad usage or a stack that does not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+
+from resilience import attack, chaos, gray_pod
+from resilience.report import Figure, all_passed, table
+from resilience.stack import Picker, attach, own_stack
+from shared.logs import setup_logging
+
+EXIT_MISSED = 1
+EXIT_BAD_USAGE = 2
+
+
+def _stack_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the stack (default: start one on free loopback ports)")
+    group.add_argument("--pods", type=int, default=4, help="simulated pods of a started stack")
+    group.add_argument("--pickers", type=int, default=2, help="pickers of a started stack")
+    group.add_argument("--sim-args", default="", metavar="ARGS",
+                       help="more `lig sim` flags for a started stack's pods, in one string")
+    group.add_argument("--ready-timeout", type=float, default=60.0,
+                       help="seconds a started stack may take to become ready")
+
+
+def _csv(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(name.strip() for name in text.split(",") if name.strip())
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(choices)}")
+        return names
+    return parse
+
+
+def configure_attack(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``attack``."""
+    defaults = attack.AttackSettings()
+    parser.add_argument("--only", type=_csv(attack.SCENARIOS), default=attack.SCENARIOS,
+                        metavar="LIST", help="comma-separated scenarios to run: "
+                        f"{', '.join(attack.SCENARIOS)} (default: all)")
+    parser.add_argument("--duration", type=float, default=defaults.duration,
+                        help="seconds each HTTP/2 scenario lasts")
+    parser.add_argument("--rate", type=float, default=defaults.rate,
+                        help="requests/s through Envoy during the HTTP/2 scenarios")
+    parser.add_argument("--streams", type=int, default=defaults.streams,
+                        help="streams the flood opens on each picker")
+    parser.add_argument("--settings-frames", type=int, default=defaults.settings_frames,
+                        help="SETTINGS frames the flood sends once its streams are open")
+    parser.add_argument("--amplification-frames", type=int,
+                        default=defaults.amplification_frames,
+                        help="one-byte HEADERS frames of the amplification")
+    parser.add_argument("--amplification-seconds", type=float,
+                        default=defaults.amplification_seconds,
+                        help="seconds the amplification's connection is held (memory watched)")
+    parser.add_argument("--header-frames", type=int, default=defaults.header_frames,
+                        help="1 MiB HEADERS frames of HPACK table-size updates (buffering)")
+    parser.add_argument("--partial-streams", type=int, default=defaults.partial_streams,
+                        help="streams each sending 8 MiB of a never-completed message "
+                             "(buffering)")
+    parser.add_argument("--control-frames", type=int, default=defaults.control_frames,
+                        help="frames of each control-frame flood")
+    parser.add_argument("--slow-connections", type=int, default=defaults.slow_connections,
+                        help="silent and half-preface connections (each)")
+    attached = parser.add_argument_group("attach to a running stack instead")
+    attached.add_argument("--gateway", default=None, metavar="URL",
+                          help="Envoy's client URL, e.g. http://127.0.0.1:8081")
+    attached.add_argument("--picker", type=int, action="append", default=[], metavar="PORT",
+                          help="a picker's ext_proc port on 127.0.0.1 (repeatable; its pid is "
+                               "found from the port for memory and CPU figures)")
+    _stack_flags(parser)
+
+
+def configure_chaos(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``chaos`` (it always starts its own stack: it kills its services)."""
+    defaults = chaos.ChaosSettings()
+    parser.add_argument("--faults", type=_csv(chaos.FAULTS), default=chaos.FAULTS,
+                        metavar="LIST", help=f"comma-separated faults: {', '.join(chaos.FAULTS)}"
+                        " (default: all)")
+    parser.add_argument("--rate", type=float, default=defaults.rate,
+                        help="requests/s through Envoy during each fault")
+    parser.add_argument("--before", type=float, default=defaults.before,
+                        help="seconds of load before each fault")
+    parser.add_argument("--outage", type=float, default=defaults.outage,
+                        help="seconds a killed service stays down before it is started again")
+    parser.add_argument("--pod-stop", type=float, default=defaults.pod_stop,
+                        help="seconds a pod stays stopped (SIGSTOP)")
+    parser.add_argument("--settle", type=float, default=defaults.settle,
+                        help="seconds of load after each recovery")
+    parser.add_argument("--gray-seconds", type=float, default=defaults.gray_seconds,
+                        help="seconds of load with the gray pod registered")
+    parser.add_argument("--gray-warmup", type=float, default=defaults.gray_warmup,
+                        help="seconds before the gray pod's share is counted")
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
+                        help="seconds a client waits for an answer before counting it lost")
+    _stack_flags(parser)
+
+
+def _print(figures: list[Figure]) -> int:
+    print(table(figures), flush=True)
+    return 0 if all_passed(figures) else EXIT_MISSED
+
+
+async def _attack(args: argparse.Namespace) -> int:
+    settings = attack.AttackSettings(
+        scenarios=args.only, duration=args.duration, rate=args.rate, streams=args.streams,
+        settings_frames=args.settings_frames, amplification_frames=args.amplification_frames,
+        amplification_seconds=args.amplification_seconds, header_frames=args.header_frames,
+        partial_streams=args.partial_streams,
+        control_frames=args.control_frames, slow_connections=args.slow_connections)
+    if args.gateway is not None:
+        target = attach(args.gateway, args.picker, [])
+        return _print(await attack.run_attacks(lambda: target, settings))
+    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout) as stack:
+
+        async def recover(picker: Picker) -> None:
+            stack.kill(picker.name)
+            stack.restart(picker.name)
+            await stack.wait_ready(args.ready_timeout)
+
+        figures = await attack.run_attacks(lambda: stack.target, settings, recover)
+        died = stack.unexpected_exit()
+        if died is not None:
+            figures.append(Figure("stack", "no service died", died.splitlines()[0], "none",
+                                  False))
+        return _print(figures)
+
+
+async def _chaos(args: argparse.Namespace) -> int:
+    settings = chaos.ChaosSettings(
+        faults=args.faults, rate=args.rate, before=args.before, outage=args.outage,
+        pod_stop=args.pod_stop, settle=args.settle, gray_seconds=args.gray_seconds,
+        gray_warmup=args.gray_warmup, request_timeout=args.request_timeout,
+        ready_timeout=args.ready_timeout)
+    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout) as stack:
+        return _print(await chaos.run_chaos(stack, settings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen tool."""
+    parser = argparse.ArgumentParser(
+        prog="python -m resilience",
+        description="bounded attack and chaos runs against a gateway stack on loopback; "
+                    "each prints its figures with PASS/MISS per target (docs/resilience.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tools = parser.add_subparsers(dest="tool", required=True)
+    configure_attack(tools.add_parser(
+        "attack", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="HTTP/2 floods, amplification, slow peers and control-frame floods on the pickers, "
+             "bad HTTP through Envoy, under client traffic"))
+    configure_chaos(tools.add_parser(
+        "chaos", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="kill NATS, collector, a picker, the registry; stop a pod; add a gray pod; all "
+             "under load through Envoy, counting lost requests"))
+    gray_pod.configure(tools.add_parser(
+        "gray-pod", help="serve a pod with idle metrics that never answers a completion"))
+    args = parser.parse_args(argv)
+    if args.tool == "gray-pod":
+        return gray_pod.run(args)
+    if args.tool == "attack" and args.gateway is not None and not args.picker:
+        parser.error("--gateway needs at least one --picker PORT")
+    if args.rate <= 0 or getattr(args, "duration", 1) <= 0:
+        parser.error("--rate and --duration must be above 0")
+    # As in lig up: the readiness checks' NATS client would log its reconnects and closes.
+    setup_logging("resilience", "ERROR")
+    try:
+        return asyncio.run(_attack(args) if args.tool == "attack" else _chaos(args))
+    except RuntimeError as exc:  # the stack did not start
+        print(f"resilience: {exc}", file=sys.stderr)
+        return EXIT_BAD_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

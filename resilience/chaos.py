@@ -1,0 +1,188 @@
+"""Fault runs under steady load through Envoy: kill NATS, the collector, a picker, the registry
+(each SIGKILLed, then started again after ``outage`` seconds), stop a pod (SIGSTOP for
+``pod_stop`` seconds, then SIGCONT), and add a gray pod (idle metrics, never answers).
+
+Every fault runs in its own window of steady load, and only after the whole stack is ready
+again. A request is lost when it gets no 200 within the client timeout. For the gray pod the
+share of requests the pickers route to it, after ``gray_warmup`` seconds, is measured from their
+own counters (``lig_picker_requests_total`` by pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import Counter
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from lig.supervisor import ChildSpec
+from lig.topology import LOOPBACK
+from resilience.load import LoadRun, steady_load
+from resilience.report import Figure
+from resilience.stack import OwnedStack, free_port
+from shared.schemas import Endpoint
+
+KILLED = {"nats": "nats", "collector": "collector", "picker": "picker-0",
+          "registry": "registry"}
+FAULTS = (*KILLED, "pod-stop", "gray-pod")
+STOPPED_POD = "sim-0"
+GRAY_POD = "gray-pod"
+GRAY_SHARE_TARGET_PCT = 2.0
+
+
+class ChaosSettings(msgspec.Struct, frozen=True):
+    """Which faults, and the load and timing around each (all bounded)."""
+
+    faults: tuple[str, ...] = FAULTS
+    rate: float = 100.0  # requests/s through Envoy
+    before: float = 2.0  # seconds of load before the fault
+    outage: float = 5.0  # seconds a killed service stays down
+    pod_stop: float = 10.0  # seconds a pod stays stopped
+    settle: float = 5.0  # seconds of load after recovery
+    gray_seconds: float = 20.0  # seconds of load with the gray pod registered
+    gray_warmup: float = 5.0  # seconds before its share is counted
+    request_timeout: float = 20.0
+    ready_timeout: float = 60.0
+
+
+def _lost_figures(fault: str, run: LoadRun) -> list[Figure]:
+    lost = LoadRun.lost(run.outcomes)
+    wrong = LoadRun.wrong_model(run.outcomes)
+    causes = LoadRun.causes(lost)
+    return [
+        Figure(fault, "requests lost", f"{len(lost)} of {len(run.outcomes)} at "
+                                       f"{LoadRun.achieved_rate(run.outcomes):.0f} req/s"
+                                       + (f" ({causes})" if causes else ""),
+               "0", bool(run.outcomes) and not lost),
+        Figure(fault, "answers naming another model", f"{len(wrong)}", "0", not wrong),
+    ]
+
+
+def _with_load(stack: OwnedStack, settings: ChaosSettings, seconds: float,
+               run: LoadRun) -> asyncio.Task[LoadRun]:
+    """Start ``seconds`` of steady load through the stack's Envoy, recorded in ``run``."""
+    return asyncio.create_task(steady_load(stack.target.gateway, settings.rate, seconds, run,
+                                           settings.request_timeout))
+
+
+async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSettings) -> list[Figure]:
+    """SIGKILL the fault's service under load, start it again after the outage."""
+    run = LoadRun()
+    load = _with_load(stack, settings, settings.before + settings.outage + settings.settle, run)
+    await asyncio.sleep(settings.before)
+    stack.kill(KILLED[fault])
+    await asyncio.sleep(settings.outage)
+    stack.restart(KILLED[fault])
+    await load
+    return _lost_figures(fault, run)
+
+
+async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
+    """SIGSTOP one pod under load, SIGCONT it after ``pod_stop`` seconds."""
+    run = LoadRun()
+    load = _with_load(stack, settings, settings.before + settings.pod_stop + settings.settle, run)
+    await asyncio.sleep(settings.before)
+    stack.pause(STOPPED_POD, True)
+    try:
+        await asyncio.sleep(settings.pod_stop)
+    finally:
+        stack.pause(STOPPED_POD, False)
+    await load
+    return _lost_figures("pod-stop", run)
+
+
+async def routed_by_pod(urls: list[str]) -> Counter[str] | None:
+    """Requests every picker routed, by pod, from their ``/metrics``; None if one is
+    unreadable (a partial sum would distort the shares)."""
+    counts: Counter[str] = Counter()
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        for url in urls:
+            try:
+                page = (await client.get(url)).text
+            except httpx.HTTPError:
+                return None
+            for family in text_string_to_metric_families(page):
+                for sample in family.samples:
+                    if (sample.name == "lig_picker_requests_total"
+                            and sample.labels.get("outcome") == "routed"):
+                        counts[sample.labels.get("pod", "")] += int(sample.value)
+    return counts
+
+
+async def _healthy(url: str, within: float) -> bool:
+    deadline = time.monotonic() + within
+    async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    return False
+
+
+async def gray_pod(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
+    """Register a gray pod beside the others; measure its share of traffic and the losses."""
+    plan = stack.plan
+    port = free_port()
+    lora = [flag for name in plan.adapters for flag in ("--lora", name)]
+    stack.start(ChildSpec(GRAY_POD, [sys.executable, "-m", "resilience", "gray-pod",
+                                     "--base-port", str(port), "--model", plan.base_model,
+                                     *lora], {"PYTHONUNBUFFERED": "1"}))
+    if not await _healthy(f"http://{LOOPBACK}:{port}/health", 10.0):
+        return [Figure("gray-pod", "gray pod started", "no /health within 10 s", "yes", False)]
+    labels = dict(plan.pods[0].labels) if plan.pods else {}
+    stack.set_pool_endpoints([*plan.pods, Endpoint(GRAY_POD, LOOPBACK, port, labels)])
+    await asyncio.sleep(2.0)  # the registry's watch and the collector's first scrape
+    urls = [p.metrics_url for p in stack.target.pickers if p.metrics_url]
+    run = LoadRun()
+    try:
+        load = _with_load(stack, settings, settings.gray_seconds, run)
+        await asyncio.sleep(settings.gray_warmup)
+        warm = await routed_by_pod(urls)
+        await asyncio.sleep(max(0.0, settings.gray_seconds - settings.gray_warmup))
+        end = await routed_by_pod(urls)
+        await load
+    finally:
+        stack.set_pool_endpoints(list(plan.pods))
+        stack.kill(GRAY_POD)
+    if warm is None or end is None:
+        return [Figure("gray-pod", "pickers' request counters", "unreadable", "readable",
+                       False), *_lost_figures("gray-pod", run)]
+    delta = end - warm
+    total = sum(delta.values())
+    share = 100.0 * delta[GRAY_POD] / total if total else 0.0
+    return [
+        Figure("gray-pod", f"share routed to it after {settings.gray_warmup:g} s",
+               f"{share:.1f}% ({delta[GRAY_POD]}/{total})",
+               f"< {GRAY_SHARE_TARGET_PCT:g}%", total > 0 and share < GRAY_SHARE_TARGET_PCT),
+        *_lost_figures("gray-pod", run),
+    ]
+
+
+async def run_chaos(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
+    """Each fault in turn, each starting from a ready stack."""
+    figures: list[Figure] = []
+    for fault in settings.faults:
+        not_ready = await stack.wait_ready(settings.ready_timeout)
+        if not_ready is not None:
+            figures.append(Figure(fault, "stack ready before the fault", not_ready.splitlines()[0],
+                                  "yes", False))
+            break
+        if fault in KILLED:
+            figures += await kill_and_restart(stack, fault, settings)
+        elif fault == "pod-stop":
+            figures += await pod_stop(stack, settings)
+        else:
+            figures += await gray_pod(stack, settings)
+        died = stack.unexpected_exit()
+        if died is not None:
+            figures.append(Figure(fault, "no service died unasked", died.splitlines()[0],
+                                  "none", False))
+            break
+    return figures

@@ -1,0 +1,177 @@
+"""The stack the tools act on: one they start themselves, or one already running (attach).
+
+A started stack is ``lig up --free-ports``'s plan (:func:`lig.up.make_plan`) run under a
+:class:`lig.supervisor.Supervisor` in this process rather than as a ``lig up`` child: ``lig up``
+stops the whole stack as soon as one service dies, and the chaos tool must kill single services
+and start them again. Each simulated pod gets a process of its own (``sim-0``, ``sim-1``, ...),
+so that stopping one (SIGSTOP) stops only that pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import os
+import signal
+import socket
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from lig import readiness, up
+from lig.local_registry import with_endpoints
+from lig.supervisor import Child, ChildSpec, Supervisor
+from lig.topology import EXAMPLE_CONFIG, LOOPBACK, StackPlan
+from resilience.procinfo import pid_listening_on
+from shared.schemas import Endpoint
+
+BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # Critical in examples/local: never shed
+SPLIT_MODEL = "tweet-summary"  # rewritten to tweet-summary-1/-2: the response names it again
+
+
+class Picker(msgspec.Struct, frozen=True):
+    """One picker replica: its ext_proc address and, when known, its pid and metrics URL."""
+
+    name: str
+    port: int
+    pid: int | None = None
+    metrics_url: str | None = None
+    host: str = LOOPBACK
+
+
+class Target(msgspec.Struct, frozen=True):
+    """Where to send traffic and attacks."""
+
+    gateway: str
+    pickers: tuple[Picker, ...]
+
+
+def attach(gateway: str, picker_ports: list[int], picker_metrics: list[str]) -> Target:
+    """A running stack given by flags; each picker's pid is found from its listening port."""
+    pickers = tuple(
+        Picker(f"picker-{i}", port, pid_listening_on(port),
+               picker_metrics[i] if i < len(picker_metrics) else None)
+        for i, port in enumerate(picker_ports))
+    return Target(gateway.rstrip("/"), pickers)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+class OwnedStack:
+    """A stack this process started: its plan, its supervisor, and fault controls."""
+
+    def __init__(self, plan: StackPlan, supervisor: Supervisor) -> None:
+        self.plan = plan
+        self.supervisor = supervisor
+
+    @property
+    def target(self) -> Target:
+        """The running stack as a :class:`Target` (pickers with pids and metrics URLs)."""
+        pids = {child.name: child.pid for child in self.supervisor.children}
+        urls = self.plan.picker_metrics_urls()
+        pickers = tuple(Picker(f"picker-{i}", ports.grpc, pids.get(f"picker-{i}"), urls[i])
+                        for i, ports in enumerate(self.plan.ports.pickers))
+        return Target(self.plan.gateway_url(), pickers)
+
+    def child(self, name: str) -> Child:
+        """The current process of service ``name``."""
+        return next(child for child in self.supervisor.children if child.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL service ``name`` (its whole process group) and reap it."""
+        child = self.child(name)
+        child.stopping = True  # a death we caused, not one to report
+        child.signal_group(signal.SIGKILL)
+        child.process.wait(timeout=5)
+
+    def restart(self, name: str) -> None:
+        """Start the killed service ``name`` again."""
+        self.supervisor.restart(name)
+
+    def pause(self, name: str, paused: bool) -> None:
+        """SIGSTOP (``paused``) or SIGCONT service ``name``."""
+        self.child(name).signal_group(signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def start(self, spec: ChildSpec) -> Child:
+        """Start one more process under the stack's supervisor (stopped with the stack)."""
+        return self.supervisor.start(spec)
+
+    def unexpected_exit(self) -> str | None:
+        """The report of a service that died although nobody killed it, if one did."""
+        dead = self.supervisor.first_exited()
+        return None if dead is None else dead.describe_exit(lines=10)
+
+    async def wait_ready(self, within: float) -> str | None:
+        """Wait until every service is ready again; None when it is, else what is not."""
+        # Its progress lines ("lig up: nats ready ...") are lig up's, not this tool's output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return await readiness.wait_until_ready(self.plan, self.supervisor,
+                                                    asyncio.Event(), within)
+
+    def set_pool_endpoints(self, endpoints: list[Endpoint]) -> None:
+        """Replace the pool's endpoints in the registry's input folder (the registry watches it).
+
+        Each file is replaced atomically, so the registry never reads an empty input.
+        """
+        folder = Path(self.plan.registry_paths[0])
+        for name, text in with_endpoints(EXAMPLE_CONFIG, self.plan.pool, endpoints).items():
+            scratch = folder / f".{name}.new"  # hidden: the registry skips it
+            scratch.write_text(text)
+            os.replace(scratch, folder / name)
+
+
+def _plan_args(state_dir: Path, pods: int, pickers: int, sim_args: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.configure(parser)
+    return parser.parse_args([
+        "--free-ports", "--port", str(free_port()), "--state-dir", str(state_dir),
+        "--pods", str(pods), "--pickers", str(pickers), "--sim-args", sim_args,
+        "--log-level", "WARNING",
+    ])
+
+
+def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan) -> list[ChildSpec]:
+    """``lig up``'s children with its one ``sim`` process split into one process per pod."""
+    split: list[ChildSpec] = []
+    for spec in specs:
+        if spec.name != "sim":
+            split.append(spec)
+            continue
+        for index, pod in enumerate(plan.pods):
+            argv = list(spec.argv)
+            argv[argv.index("--pods") + 1] = "1"
+            argv[argv.index("--base-port") + 1] = str(pod.port)
+            split.append(ChildSpec(f"sim-{index}", argv, spec.env))
+    return split
+
+
+@contextlib.asynccontextmanager
+async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
+                    ready_timeout: float = 60.0, state_dir: Path | None = None,
+                    ) -> AsyncIterator[OwnedStack]:
+    """Start a stack on free loopback ports, wait until it serves, stop it all on exit."""
+    with contextlib.ExitStack() as cleanup:
+        if state_dir is None:
+            state_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(
+                prefix="lig-resilience-")))
+        plan, _ = up.make_plan(_plan_args(state_dir, pods, pickers, sim_args))
+        supervisor = Supervisor(state_dir / "logs")
+        stack = OwnedStack(plan, supervisor)
+        try:
+            for spec in _one_sim_per_pod(plan.children(), plan):
+                supervisor.start(spec)
+            failure = await stack.wait_ready(ready_timeout)
+            if failure is not None:
+                raise RuntimeError(f"the stack did not become ready: {failure}")
+            yield stack
+        finally:
+            supervisor.stop_all(timeout=up.STOP_TIMEOUT)
