@@ -1,4 +1,4 @@
-"""``python -m resilience {attack,chaos,gray-pod}``: see docs/resilience.md.
+"""``python -m resilience {attack,chaos}``: see docs/resilience.md.
 
 ``attack`` and ``chaos`` print a table of figures and exit 0 when every target is met, 1 when
 one is missed, 2 on bad usage or a stack that does not start.
@@ -11,7 +11,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 
-from resilience import attack, chaos, gray_pod
+from resilience import attack, chaos
 from resilience.report import Figure, all_passed, table
 from resilience.stack import Picker, attach, own_stack
 from shared.logs import setup_logging
@@ -96,11 +96,14 @@ def configure_chaos(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle", type=float, default=defaults.settle,
                         help="seconds of load after each recovery")
     parser.add_argument("--gray-seconds", type=float, default=defaults.gray_seconds,
-                        help="seconds of load with the gray pod registered")
+                        help="seconds of load with pod 0 gray")
     parser.add_argument("--gray-warmup", type=float, default=defaults.gray_warmup,
                         help="seconds before the gray pod's share is counted")
     parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
                         help="seconds a client waits for an answer before counting it lost")
+    parser.add_argument("--response-timeout", type=float, default=defaults.response_timeout,
+                        help="the stack's lig up --response-timeout: seconds Envoy waits for a "
+                             "silent pod (the gray pod's held requests) before its 504")
     _stack_flags(parser)
 
 
@@ -139,8 +142,9 @@ async def _chaos(args: argparse.Namespace) -> int:
         faults=args.faults, rate=args.rate, before=args.before, outage=args.outage,
         pod_stop=args.pod_stop, settle=args.settle, gray_seconds=args.gray_seconds,
         gray_warmup=args.gray_warmup, request_timeout=args.request_timeout,
-        ready_timeout=args.ready_timeout)
-    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout) as stack:
+        response_timeout=args.response_timeout, ready_timeout=args.ready_timeout)
+    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
+                         response_timeout=settings.response_timeout) as stack:
         return _print(await chaos.run_chaos(stack, settings))
 
 
@@ -158,13 +162,9 @@ def main(argv: list[str] | None = None) -> int:
              "bad HTTP through Envoy, under client traffic"))
     configure_chaos(tools.add_parser(
         "chaos", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="kill NATS, collector, a picker, the registry; stop a pod; add a gray pod; all "
+        help="kill NATS, collector, a picker, the registry; stop a pod; turn a pod gray; all "
              "under load through Envoy, counting lost requests"))
-    gray_pod.configure(tools.add_parser(
-        "gray-pod", help="serve a pod with idle metrics that never answers a completion"))
     args = parser.parse_args(argv)
-    if args.tool == "gray-pod":
-        return gray_pod.run(args)
     if args.tool == "attack" and args.gateway is not None and not args.picker:
         parser.error("--gateway needs at least one --picker PORT")
     if args.rate <= 0 or getattr(args, "duration", 1) <= 0:

@@ -1,6 +1,7 @@
 """Fault runs under steady load through Envoy: kill NATS, the collector, a picker, the registry
 (each SIGKILLed, then started again after ``outage`` seconds), stop a pod (SIGSTOP for
-``pod_stop`` seconds, then SIGCONT), and add a gray pod (idle metrics, never answers).
+``pod_stop`` seconds, then SIGCONT), and turn a pod gray (``lig sim``'s gray fault: idle
+metrics, completions never answered).
 
 Every fault runs in its own window of steady load, and only after the whole stack is ready
 again. A request is lost when it gets no 200 within the client timeout. For the gray pod the
@@ -11,7 +12,6 @@ own counters (``lig_picker_requests_total`` by pod).
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import Counter
 
@@ -19,18 +19,15 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from lig.supervisor import ChildSpec
-from lig.topology import LOOPBACK
-from resilience.load import LoadRun, steady_load
+from resilience.load import LoadRun, Outcome, steady_load
 from resilience.report import Figure
-from resilience.stack import OwnedStack, free_port
-from shared.schemas import Endpoint
+from resilience.stack import OwnedStack
 
 KILLED = {"nats": "nats", "collector": "collector", "picker": "picker-0",
           "registry": "registry"}
 FAULTS = (*KILLED, "pod-stop", "gray-pod")
 STOPPED_POD = "sim-0"
-GRAY_POD = "gray-pod"
+GRAY_HELD_STATUS = 504  # Envoy's answer once a pod stays silent for the response timeout
 GRAY_SHARE_TARGET_PCT = 2.0
 
 
@@ -43,21 +40,22 @@ class ChaosSettings(msgspec.Struct, frozen=True):
     outage: float = 5.0  # seconds a killed service stays down
     pod_stop: float = 10.0  # seconds a pod stays stopped
     settle: float = 5.0  # seconds of load after recovery
-    gray_seconds: float = 20.0  # seconds of load with the gray pod registered
+    gray_seconds: float = 20.0  # seconds of load with one pod gray
     gray_warmup: float = 5.0  # seconds before its share is counted
     request_timeout: float = 20.0
+    response_timeout: float = 3.0  # lig up --response-timeout: Envoy's 504 for a silent pod
     ready_timeout: float = 60.0
 
 
-def _lost_figures(fault: str, run: LoadRun) -> list[Figure]:
-    lost = LoadRun.lost(run.outcomes)
-    wrong = LoadRun.wrong_model(run.outcomes)
+def _lost_figures(fault: str, outcomes: list[Outcome]) -> list[Figure]:
+    lost = LoadRun.lost(outcomes)
+    wrong = LoadRun.wrong_model(outcomes)
     causes = LoadRun.causes(lost)
     return [
-        Figure(fault, "requests lost", f"{len(lost)} of {len(run.outcomes)} at "
-                                       f"{LoadRun.achieved_rate(run.outcomes):.0f} req/s"
+        Figure(fault, "requests lost", f"{len(lost)} of {len(outcomes)} at "
+                                       f"{LoadRun.achieved_rate(outcomes):.0f} req/s"
                                        + (f" ({causes})" if causes else ""),
-               "0", bool(run.outcomes) and not lost),
+               "0", bool(outcomes) and not lost),
         Figure(fault, "answers naming another model", f"{len(wrong)}", "0", not wrong),
     ]
 
@@ -78,7 +76,7 @@ async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSetting
     await asyncio.sleep(settings.outage)
     stack.restart(KILLED[fault])
     await load
-    return _lost_figures(fault, run)
+    return _lost_figures(fault, run.outcomes)
 
 
 async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
@@ -92,7 +90,7 @@ async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     finally:
         stack.pause(STOPPED_POD, False)
     await load
-    return _lost_figures("pod-stop", run)
+    return _lost_figures("pod-stop", run.outcomes)
 
 
 async def routed_by_pod(urls: list[str]) -> Counter[str] | None:
@@ -113,55 +111,52 @@ async def routed_by_pod(urls: list[str]) -> Counter[str] | None:
     return counts
 
 
-async def _healthy(url: str, within: float) -> bool:
-    deadline = time.monotonic() + within
-    async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            try:
-                if (await client.get(url)).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.1)
-    return False
+async def _set_gray(pod_url: str, mode: str) -> None:
+    """Make a simulated pod gray (``hang``: idle metrics, completions held), or heal it (``""``)."""
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        (await client.post(f"{pod_url}/admin/faults", json={"gray": mode})).raise_for_status()
 
 
 async def gray_pod(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
-    """Register a gray pod beside the others; measure its share of traffic and the losses."""
-    plan = stack.plan
-    port = free_port()
-    lora = [flag for name in plan.adapters for flag in ("--lora", name)]
-    stack.start(ChildSpec(GRAY_POD, [sys.executable, "-m", "resilience", "gray-pod",
-                                     "--base-port", str(port), "--model", plan.base_model,
-                                     *lora], {"PYTHONUNBUFFERED": "1"}))
-    if not await _healthy(f"http://{LOOPBACK}:{port}/health", 10.0):
-        return [Figure("gray-pod", "gray pod started", "no /health within 10 s", "yes", False)]
-    labels = dict(plan.pods[0].labels) if plan.pods else {}
-    stack.set_pool_endpoints([*plan.pods, Endpoint(GRAY_POD, LOOPBACK, port, labels)])
-    await asyncio.sleep(2.0)  # the registry's watch and the collector's first scrape
+    """Turn pod 0 gray under load (``lig sim``'s gray fault: its metrics stay idle while its
+    completions hang); measure its share of traffic once the pickers had ``gray_warmup``
+    seconds, and how the requests it held ended."""
+    pod = stack.plan.pods[0]
+    pod_url = f"http://{pod.address}:{pod.port}"
     urls = [p.metrics_url for p in stack.target.pickers if p.metrics_url]
     run = LoadRun()
+    load = _with_load(stack, settings, settings.before + settings.gray_seconds, run)
+    gray_since = float("inf")
     try:
-        load = _with_load(stack, settings, settings.gray_seconds, run)
+        await asyncio.sleep(settings.before)
+        await _set_gray(pod_url, "hang")
+        gray_since = time.monotonic()
         await asyncio.sleep(settings.gray_warmup)
         warm = await routed_by_pod(urls)
         await asyncio.sleep(max(0.0, settings.gray_seconds - settings.gray_warmup))
         end = await routed_by_pod(urls)
         await load
     finally:
-        stack.set_pool_endpoints(list(plan.pods))
-        stack.kill(GRAY_POD)
+        await _set_gray(pod_url, "")
+        if not load.done():
+            load.cancel()
+    figures = _lost_figures("gray-pod", [o for o in run.outcomes if o.started < gray_since])
+    held = [o for o in run.outcomes if o.started >= gray_since and o.status != 200]
+    figures.append(Figure(
+        "gray-pod", "requests held by it, answered 504 after the response timeout",
+        f"{len(held)}" + (f" ({LoadRun.causes(held)})" if held else ""),
+        f"all {GRAY_HELD_STATUS}", all(o.status == GRAY_HELD_STATUS for o in held)))
     if warm is None or end is None:
         return [Figure("gray-pod", "pickers' request counters", "unreadable", "readable",
-                       False), *_lost_figures("gray-pod", run)]
+                       False), *figures]
     delta = end - warm
     total = sum(delta.values())
-    share = 100.0 * delta[GRAY_POD] / total if total else 0.0
+    share = 100.0 * delta[pod.name] / total if total else 0.0
     return [
         Figure("gray-pod", f"share routed to it after {settings.gray_warmup:g} s",
-               f"{share:.1f}% ({delta[GRAY_POD]}/{total})",
+               f"{share:.1f}% ({delta[pod.name]}/{total})",
                f"< {GRAY_SHARE_TARGET_PCT:g}%", total > 0 and share < GRAY_SHARE_TARGET_PCT),
-        *_lost_figures("gray-pod", run),
+        *figures,
     ]
 
 

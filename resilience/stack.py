@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import io
-import os
 import signal
 import socket
 import tempfile
@@ -23,11 +22,9 @@ from pathlib import Path
 import msgspec
 
 from lig import readiness, up
-from lig.local_registry import with_endpoints
 from lig.supervisor import Child, ChildSpec, Supervisor
-from lig.topology import EXAMPLE_CONFIG, LOOPBACK, StackPlan
+from lig.topology import LOOPBACK, StackPlan
 from resilience.procinfo import pid_listening_on
-from shared.schemas import Endpoint
 
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # Critical in examples/local: never shed
 SPLIT_MODEL = "tweet-summary"  # rewritten to tweet-summary-1/-2: the response names it again
@@ -117,25 +114,15 @@ class OwnedStack:
             return await readiness.wait_until_ready(self.plan, self.supervisor,
                                                     asyncio.Event(), within)
 
-    def set_pool_endpoints(self, endpoints: list[Endpoint]) -> None:
-        """Replace the pool's endpoints in the registry's input folder (the registry watches it).
 
-        Each file is replaced atomically, so the registry never reads an empty input.
-        """
-        folder = Path(self.plan.registry_paths[0])
-        for name, text in with_endpoints(EXAMPLE_CONFIG, self.plan.pool, endpoints).items():
-            scratch = folder / f".{name}.new"  # hidden: the registry skips it
-            scratch.write_text(text)
-            os.replace(scratch, folder / name)
-
-
-def _plan_args(state_dir: Path, pods: int, pickers: int, sim_args: str) -> argparse.Namespace:
+def _plan_args(state_dir: Path, pods: int, pickers: int, sim_args: str,
+               response_timeout: float) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     up.configure(parser)
     return parser.parse_args([
         "--free-ports", "--port", str(free_port()), "--state-dir", str(state_dir),
         "--pods", str(pods), "--pickers", str(pickers), "--sim-args", sim_args,
-        "--log-level", "WARNING",
+        "--response-timeout", str(response_timeout), "--log-level", "WARNING",
     ])
 
 
@@ -157,13 +144,17 @@ def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan) -> list[ChildSpec]
 @contextlib.asynccontextmanager
 async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
                     ready_timeout: float = 60.0, state_dir: Path | None = None,
-                    ) -> AsyncIterator[OwnedStack]:
-    """Start a stack on free loopback ports, wait until it serves, stop it all on exit."""
+                    response_timeout: float = 120.0) -> AsyncIterator[OwnedStack]:
+    """Start a stack on free loopback ports, wait until it serves, stop it all on exit.
+
+    ``response_timeout`` is ``lig up --response-timeout``: how long Envoy waits for a silent pod.
+    """
     with contextlib.ExitStack() as cleanup:
         if state_dir is None:
             state_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(
                 prefix="lig-resilience-")))
-        plan, _ = up.make_plan(_plan_args(state_dir, pods, pickers, sim_args))
+        plan, _ = up.make_plan(_plan_args(state_dir, pods, pickers, sim_args,
+                                             response_timeout))
         supervisor = Supervisor(state_dir / "logs")
         stack = OwnedStack(plan, supervisor)
         try:

@@ -68,8 +68,8 @@ async def test_every_attack_and_one_fault_run_and_report() -> None:
 def test_the_command_line_explains_itself(capsys: pytest.CaptureFixture[str]) -> None:
     result = subprocess.run([sys.executable, "-m", "resilience", "--help"],
                             capture_output=True, text=True, timeout=30, check=True)
-    assert "{attack,chaos,gray-pod}" in result.stdout
-    for tool in ("attack", "chaos", "gray-pod"):
+    assert "{attack,chaos}" in result.stdout
+    for tool in ("attack", "chaos"):
         with pytest.raises(SystemExit) as help_exit:
             main([tool, "--help"])
         assert help_exit.value.code == 0
