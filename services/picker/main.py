@@ -61,8 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--pool", default=env("LIG_POOL") or None, required=not env("LIG_POOL"),
                         help="the InferencePool this picker serves (env LIG_POOL)")
-    parser.add_argument("--host", default=env("LIG_HOST", "0.0.0.0"),
-                        help="address to listen on (env LIG_HOST)")
+    parser.add_argument("--host", default=env("LIG_HOST", "127.0.0.1"),
+                        help="address the ext_proc, health and metrics ports listen on; loopback "
+                        "by default because ext_proc is plaintext unless --tls-cert is given: "
+                        "containers pass --host 0.0.0.0 explicitly (env LIG_HOST)")
     parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
     parser.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
     parser.add_argument("--metrics-port", type=int, default=9090,
