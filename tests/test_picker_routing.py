@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from services.picker.routing import ModelRoute, Rejected, Routed, Router, rewrite_model
 from services.picker.state import PodTable
-from shared.registry_view import RegistryView
+from shared.registry_view import RegistryChanges, RegistryView
 from shared.schemas import (
     Criticality,
     Endpoint,
@@ -23,7 +23,9 @@ from shared.schemas import (
     PodMetrics,
     PolicyConfig,
     TargetModel,
+    encode,
 )
+from shared.subjects import model_key, pool_key
 
 POOL = "pool-a"
 
@@ -293,3 +295,36 @@ def test_any_body_is_routed_or_a_400_and_a_rewrite_changes_only_model(
 
 
 _ROUTING_FLEET = Fleet().model("chat", targets={"chat-v2": 1}).model("plain").pod("a", 8001)
+
+
+def test_an_incremental_update_routes_as_a_full_rebuild_does() -> None:
+    rng = random.Random(5)
+    view = RegistryView()
+    view.pools[POOL] = InferencePool(name=POOL, target_port=8000)
+    incremental = Router(POOL, PodTable(stale_after=1.0), random.Random(1))
+    incremental.update(view)
+    names = [f"m{index}" for index in range(30)]
+    for _ in range(200):
+        changes = RegistryChanges()
+        for name in rng.sample(names, 3):
+            key = model_key(POOL, name)
+            target = TargetModel(f"{name}-{rng.random()}", 1)
+            value = None if rng.random() < 0.3 else encode(InferenceModel(
+                model_name=name, pool=POOL, target_models=(target,)))
+            view.apply(key, value, changes)
+        view.apply(model_key("other-pool", "m1"), encode(InferenceModel("m1", "other-pool")),
+                   changes)
+        if rng.random() < 0.1:
+            view.apply(pool_key(POOL), encode(InferencePool(
+                name=POOL, target_port=8000, reject_unknown_models=rng.random() < 0.5)), changes)
+        incremental.update(view, changes)
+        rebuilt = Router(POOL, PodTable(stale_after=1.0), random.Random(1))
+        rebuilt.update(view)
+        for name in names:
+            body = msgspec.json.encode({"model": name})
+            assert _target(incremental.route(body)) == _target(rebuilt.route(body)), name
+
+
+def _target(result: Routed | Rejected) -> tuple[int, str]:
+    return (0, result.target_model) if isinstance(result, Routed) else (result.status,
+                                                                         result.target_model)

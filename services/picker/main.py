@@ -285,7 +285,7 @@ class _NatsLink:
             undecodable = self._metrics.undecodable.labels("registry")
             self.watcher = RegistryWatcher(
                 self.client.jetstream(), self._subjects.registry_bucket, self._view,
-                on_change=lambda: self._router.update(self._view),
+                on_changes=lambda changes: self._router.update(self._view, changes),
                 on_undecodable=lambda key, exc: undecodable.inc())
             await subscribe(self.client, self._subjects, self.sink)
             await self.watcher.run(stop)

@@ -17,7 +17,7 @@ from services.picker.scheduling import PolicyConfigError, build_policy
 from services.picker.scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
-from shared.registry_view import RegistryView
+from shared.registry_view import RegistryChanges, RegistryView
 from shared.schemas import Criticality, InferenceModel, InferencePool, PolicyConfig
 
 log = logging.getLogger("lig.picker.routing")
@@ -143,14 +143,32 @@ class Router:
         """The policy in use (rebuilt when the pool's policy configuration changes)."""
         return self._policy
 
-    def update(self, view: RegistryView) -> None:
-        """Take this pool's definition, models and endpoints from the registry view."""
-        pool = view.pools.get(self.pool_name)
+    def update(self, view: RegistryView, changes: RegistryChanges | None = None) -> None:
+        """Take this pool's definition, models and endpoints from the registry view: all of
+        them, or (given ``changes``) only those that changed, so that the cost of an update
+        follows the size of the change, not of the registry."""
+        name = self.pool_name
+        if changes is None:
+            changes = RegistryChanges(everything=True)
+        everything = changes.everything
+        if everything or name in changes.pools:
+            self._take_pool(view.pools.get(name))
+        models = view.models.get(name, {})
+        if everything:
+            self._models = {model: ModelRoute.of(entry) for model, entry in models.items()}
+        else:
+            for model in changes.models.get(name, ()):
+                entry = models.get(model)
+                if entry is None:
+                    self._models.pop(model, None)
+                else:
+                    self._models[model] = ModelRoute.of(entry)
+        if everything or name in changes.endpoints:
+            endpoint_set = view.endpoints.get(name)
+            self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
+
+    def _take_pool(self, pool: InferencePool | None) -> None:
         self._pool = pool
-        self._models = {name: ModelRoute.of(model)
-                        for name, model in view.models.get(self.pool_name, {}).items()}
-        endpoint_set = view.endpoints.get(self.pool_name)
-        self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
         config = pool.policy if pool is not None else PolicyConfig()
         if config != self._policy_config:
             try:
