@@ -174,8 +174,9 @@ class RegistryWatcher:
                     continue
                 self._apply(self.view, entry, self._pending)
                 if not self._flush_scheduled:
-                    # Runs once the burst already queued has been applied (reading a non-empty
-                    # queue does not yield), before any later entry: one pass per burst.
+                    # Runs on a later loop turn, once the entries already queued are applied
+                    # (reading a non-empty queue does not yield): one pass per burst. It reads
+                    # the view as it is then, so entries applied meanwhile are never missed.
                     asyncio.get_running_loop().call_soon(self._flush)
                     self._flush_scheduled = True
                 applied += 1
