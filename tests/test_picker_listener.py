@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -120,3 +121,16 @@ def test_a_port_in_use_is_one_line_and_exit_code_1(server: str, busy: str) -> No
     assert result.returncode == 1, output
     assert output.splitlines() == [f"picker: cannot listen on 127.0.0.1:{taken}: "
                                    "[Errno 98] Address already in use"], output
+
+
+@pytest.mark.parametrize("server", ["grpc-aio", "builtin"])
+def test_a_picker_told_to_stop_is_no_loss_and_exits_0(
+        server: str, nats_server, picker_process: Callable[..., PickerProcess]) -> None:  # type: ignore[no-untyped-def]
+    picker = picker_process("pool-a", nats_server.url, extra_args=("--server", server))
+    deadline = time.monotonic() + 20
+    while picker.health("liveness") != SERVING:
+        assert time.monotonic() < deadline, picker.log()[-3000:]
+        time.sleep(0.05)
+    picker.signal(signal.SIGTERM)
+    assert picker.wait(5) == 0, picker.log()[-3000:]
+    assert "ext_proc server stopped" not in picker.log()

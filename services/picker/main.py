@@ -51,7 +51,7 @@ from shared.subjects import Subjects
 log = logging.getLogger("lig.picker")
 
 HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refreshes
-LISTENER_CHECK_INTERVAL = 0.25  # seconds between checks that the built-in server still listens
+LISTENER_CHECK_INTERVAL = 0.25  # seconds between checks that the ext_proc server still listens
 EXIT_EXT_PROC_LOST = 3  # exit code when the ext_proc server stopped without being asked to
 SHUTDOWN_GRACE = 0.5  # seconds open streams get once the drain delay is over
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # above Envoy's 32 MiB body buffer in deploy/envoy
@@ -192,7 +192,10 @@ class _GrpcAioExtProc:
         """Return, saying why, once the server has stopped: grpcio ends its serving loop and
         closes the listener on some inputs (a ``:path`` that is not UTF-8)."""
         try:
-            await self._server.wait_for_termination()
+            # With a timeout grpcio waits on a shielded future: cancelling this wait (when the
+            # picker is told to stop) must not cancel the server's own shutdown future.
+            while await self._server.wait_for_termination(LISTENER_CHECK_INTERVAL):
+                pass
         except Exception as exc:  # the error that ended grpcio's serving loop
             return f"grpc.aio's serving loop failed: {type(exc).__name__}: {exc}"
         return "the grpc.aio server terminated"
