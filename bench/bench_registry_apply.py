@@ -133,32 +133,48 @@ async def fresh_bucket(js: JetStreamContext, subjects: Subjects) -> None:
         EndpointSet(pool=POOL, endpoints=(Endpoint("pod-a", "127.0.0.1", 8000),))))
 
 
-async def one_round(url: str, models: int, consumer: Consumer) -> Round:
-    """Publish ``models`` models to a consumer that synced on an empty registry."""
-    subjects = Subjects()
+async def publish(url: str, models: int) -> None:
+    """Put ``models`` models into the bucket (run in a process of its own: the baseline blocks
+    its own loop for minutes, and a publisher sharing it would time out)."""
     client = await connect(NatsSettings(url=url), "bench-publisher")
-    js = client.jetstream()
-    await fresh_bucket(js, subjects)
-    router = TimedRouter(POOL, PodTable(stale_after=600.0), random.Random(1))
-    stop = asyncio.Event()
-    consuming = asyncio.create_task(consumer(url, subjects, RegistryView(), router, stop))
-    last = f'{{"model": "m{models - 1}"}}'.encode()
     try:
-        for _ in range(1000):  # up to 10 s for the consumer to sync (the endpoint is known)
-            if router.pods.endpoints:
-                break
-            await asyncio.sleep(0.01)
-        kv = await js.key_value(subjects.registry_bucket)
-        stall_stop = asyncio.Event()
-        stall = asyncio.create_task(longest_stall(stall_stop))
-        busy_before, updates_before = router.busy, router.updates
-        start = time.perf_counter()
+        kv = await client.jetstream().key_value(Subjects().registry_bucket)
+        print("publishing", flush=True)
         for first in range(0, models, PUTS_IN_FLIGHT):
             await asyncio.gather(*(
                 kv.put(model_key(POOL, f"m{index}"), encode(InferenceModel(
                     model_name=f"m{index}", pool=POOL,
                     target_models=(TargetModel(f"m{index}-target", 1),))))
                 for index in range(first, min(first + PUTS_IN_FLIGHT, models))))
+    finally:
+        await client.close()
+
+
+async def one_round(url: str, models: int, consumer: Consumer) -> Round:
+    """Publish ``models`` models to a consumer that synced on an empty registry."""
+    subjects = Subjects()
+    client = await connect(NatsSettings(url=url), "bench-setup")
+    await fresh_bucket(client.jetstream(), subjects)
+    await client.close()
+    router = TimedRouter(POOL, PodTable(stale_after=600.0), random.Random(1))
+    stop = asyncio.Event()
+    consuming = asyncio.create_task(consumer(url, subjects, RegistryView(), router, stop))
+    last = f'{{"model": "m{models - 1}"}}'.encode()
+    publisher: asyncio.subprocess.Process | None = None
+    try:
+        for _ in range(1000):  # up to 10 s for the consumer to sync (the endpoint is known)
+            if router.pods.endpoints:
+                break
+            await asyncio.sleep(0.01)
+        publisher = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--publish-to", url, "--models", str(models),
+            stdout=asyncio.subprocess.PIPE)
+        assert publisher.stdout is not None
+        await publisher.stdout.readline()  # connected: the burst starts now
+        stall_stop = asyncio.Event()
+        stall = asyncio.create_task(longest_stall(stall_stop))
+        busy_before, updates_before = router.busy, router.updates
+        start = time.perf_counter()
         deadline = start + APPLY_TIMEOUT
         while True:
             result = router.route(last)
@@ -169,12 +185,16 @@ async def one_round(url: str, models: int, consumer: Consumer) -> Round:
             await asyncio.sleep(0.005)
         wall = time.perf_counter() - start
         stall_stop.set()
+        if await publisher.wait() != 0:
+            raise RuntimeError("the publisher failed")
         return Round(wall, router.busy - busy_before, await stall,
                      router.updates - updates_before)
     finally:
+        if publisher is not None and publisher.returncode is None:
+            publisher.kill()
+            await publisher.wait()
         stop.set()
         await asyncio.wait({consuming}, timeout=5)
-        await client.close()
 
 
 async def run(url: str, models: int, rounds: int, baseline_rounds: int) -> dict[str, list[Round]]:
@@ -195,7 +215,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the picker's wiring")
     parser.add_argument("--baseline-rounds", type=int, default=3,
                         help="rounds of the rebuild-per-entry baseline")
+    parser.add_argument("--publish-to", metavar="NATS_URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.publish_to:  # the publisher process of one round
+        asyncio.run(publish(args.publish_to, args.models))
+        return 0
     with tempfile.TemporaryDirectory() as store:
         server = NatsServer(Path(store), port=free_port())
         server.start()
