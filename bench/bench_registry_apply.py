@@ -53,6 +53,7 @@ from shared.schemas import (
 from shared.subjects import Subjects, endpoints_key, model_key, pool_key
 from tests.support.nats_server import NatsServer
 from tests.support.ports import free_port
+from tests.support.registry_burst import LoopStall, TimedRouter
 
 POOL = "pool-a"
 PUTS_IN_FLIGHT = 200
@@ -67,19 +68,6 @@ class Round(msgspec.Struct, frozen=True):
     cpu: float
     stall: float
     updates: int
-
-
-class TimedRouter(Router):
-    """The picker's router, counting the CPU time and the number of its registry updates."""
-
-    busy = 0.0
-    updates = 0
-
-    def update(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        start = time.process_time()
-        super().update(*args, **kwargs)
-        self.busy += time.process_time() - start
-        self.updates += 1
 
 
 Consumer = Callable[[str, Subjects, RegistryView, Router, asyncio.Event], Awaitable[None]]
@@ -110,17 +98,6 @@ async def rebuild_per_entry(url: str, subjects: Subjects, view: RegistryView, ro
             router.update(view)
     finally:
         await client.close()
-
-
-async def longest_stall(stop: asyncio.Event) -> float:
-    """The most CPU time the loop's thread spent before waking a task sleeping 2 ms, until
-    ``stop`` (CPU, not wall time: other processes on a shared machine do not count)."""
-    worst = 0.0
-    while not stop.is_set():
-        before = time.thread_time()
-        await asyncio.sleep(0.002)
-        worst = max(worst, time.thread_time() - before)
-    return worst
 
 
 async def fresh_bucket(js: JetStreamContext, subjects: Subjects) -> None:
@@ -171,23 +148,21 @@ async def one_round(url: str, models: int, consumer: Consumer) -> Round:
             stdout=asyncio.subprocess.PIPE)
         assert publisher.stdout is not None
         await publisher.stdout.readline()  # connected: the burst starts now
-        stall_stop = asyncio.Event()
-        stall = asyncio.create_task(longest_stall(stall_stop))
         busy_before, updates_before = router.busy, router.updates
         start = time.perf_counter()
         deadline = start + APPLY_TIMEOUT
-        while True:
-            result = router.route(last)
-            if isinstance(result, Routed) and result.target_model != f"m{models - 1}":
-                break
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"{models} models not applied in {APPLY_TIMEOUT} s")
-            await asyncio.sleep(0.005)
-        wall = time.perf_counter() - start
-        stall_stop.set()
+        with LoopStall() as stall:
+            while True:
+                result = router.route(last)
+                if isinstance(result, Routed) and result.target_model != f"m{models - 1}":
+                    break
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{models} models not applied in {APPLY_TIMEOUT} s")
+                await asyncio.sleep(0.005)
+            wall = time.perf_counter() - start
         if await publisher.wait() != 0:
             raise RuntimeError("the publisher failed")
-        return Round(wall, router.busy - busy_before, await stall,
+        return Round(wall, router.busy - busy_before, stall.worst,
                      router.updates - updates_before)
     finally:
         if publisher is not None and publisher.returncode is None:

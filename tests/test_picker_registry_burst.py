@@ -21,7 +21,7 @@ from services.picker.ext_proc import NONE, REWRITE_HEADER, Processor, http2_hand
 from services.picker.http2 import Http2Server
 from services.picker.main import _NatsLink
 from services.picker.observability import PickerMetrics
-from services.picker.routing import Routed, Router
+from services.picker.routing import Routed
 from services.picker.state import PodTable
 from shared.nats_connection import NatsSettings, connect
 from shared.registry_view import RegistryView
@@ -35,48 +35,13 @@ from shared.schemas import (
     encode,
 )
 from shared.subjects import Subjects, endpoints_key, model_key, pool_key
+from tests.support.registry_burst import LoopStall, TimedRouter
 from tests.support.waiting import eventually
 
 POOL = "pool-a"
 MODELS = 10_000
 PUTS_IN_FLIGHT = 200
 MAX_REQUESTS = 5000  # the client below stops at this many requests, or when the burst is in
-
-
-class TimedRouter(Router):
-    """The picker's router, counting the CPU time and the number of its registry updates."""
-
-    busy = 0.0
-    updates = 0
-
-    def update(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        start = time.process_time()
-        super().update(*args, **kwargs)
-        self.busy += time.process_time() - start
-        self.updates += 1
-
-
-class LoopStall:
-    """The most CPU time the event loop's thread spent before coming back to a task sleeping
-    2 ms: how long the loop was busy elsewhere, whatever else the (shared) machine runs."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            before = time.thread_time()
-            await asyncio.sleep(0.002)
-            self.worst = max(self.worst, time.thread_time() - before)
-
-    def __enter__(self) -> LoopStall:
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
 
 
 class Traffic:
