@@ -45,18 +45,15 @@ from shared.registry_view import RegistryView
 from shared.schemas import (
     Endpoint,
     EndpointSet,
-    InferenceModel,
     InferencePool,
-    TargetModel,
     encode,
 )
-from shared.subjects import Subjects, endpoints_key, model_key, pool_key
+from shared.subjects import Subjects, endpoints_key, pool_key
 from tests.support.nats_server import NatsServer
 from tests.support.ports import free_port
-from tests.support.registry_burst import LoopStall, TimedRouter
+from tests.support.registry_burst import LoopStall, TimedRouter, publish_models
 
 POOL = "pool-a"
-PUTS_IN_FLIGHT = 200
 APPLY_TIMEOUT = 900.0  # seconds a round may take (the baseline at 10,000 models needs minutes)
 
 
@@ -113,18 +110,7 @@ async def fresh_bucket(js: JetStreamContext, subjects: Subjects) -> None:
 async def publish(url: str, models: int) -> None:
     """Put ``models`` models into the bucket (run in a process of its own: the baseline blocks
     its own loop for minutes, and a publisher sharing it would time out)."""
-    client = await connect(NatsSettings(url=url), "bench-publisher")
-    try:
-        kv = await client.jetstream().key_value(Subjects().registry_bucket)
-        print("publishing", flush=True)
-        for first in range(0, models, PUTS_IN_FLIGHT):
-            await asyncio.gather(*(
-                kv.put(model_key(POOL, f"m{index}"), encode(InferenceModel(
-                    model_name=f"m{index}", pool=POOL,
-                    target_models=(TargetModel(f"m{index}-target", 1),))))
-                for index in range(first, min(first + PUTS_IN_FLIGHT, models))))
-    finally:
-        await client.close()
+    await publish_models(url, POOL, models, on_connected=lambda: print("publishing", flush=True))
 
 
 async def one_round(url: str, models: int, consumer: Consumer) -> Round:

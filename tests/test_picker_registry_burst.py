@@ -35,12 +35,11 @@ from shared.schemas import (
     encode,
 )
 from shared.subjects import Subjects, endpoints_key, model_key, pool_key
-from tests.support.registry_burst import LoopStall, TimedRouter
+from tests.support.registry_burst import LoopStall, TimedRouter, put_models
 from tests.support.waiting import eventually
 
 POOL = "pool-a"
 MODELS = 10_000
-PUTS_IN_FLIGHT = 200
 MAX_REQUESTS = 5000  # the client below stops at this many requests, or when the burst is in
 
 
@@ -95,11 +94,6 @@ class Traffic:
                     self.wrong.append(f"response body {body!r}")
 
 
-def model(index: int) -> InferenceModel:
-    return InferenceModel(model_name=f"m{index}", pool=POOL,
-                          target_models=(TargetModel(f"m{index}-target", 1),))
-
-
 async def test_ten_thousand_models_apply_in_one_pass_while_the_loop_keeps_serving(
         nats_server) -> None:  # type: ignore[no-untyped-def]
     subjects = Subjects()
@@ -135,10 +129,7 @@ async def test_ten_thousand_models_apply_in_one_pass_while_the_loop_keeps_servin
         applied = asyncio.Event()
         with LoopStall() as stall:
             clients = asyncio.create_task(traffic.run(applied))
-            for first in range(0, MODELS, PUTS_IN_FLIGHT):
-                await asyncio.gather(*(
-                    kv.put(model_key(POOL, f"m{index}"), encode(model(index)))
-                    for index in range(first, min(first + PUTS_IN_FLIGHT, MODELS))))
+            await put_models(kv, POOL, MODELS)
             await eventually(last_model_rewritten, within=20, what="every model applied")
             applied.set()
             await asyncio.wait_for(clients, 10)

@@ -1,12 +1,19 @@
-"""Measuring a registry burst reaching a picker (tests/test_picker_registry_burst.py and
-bench/bench_registry_apply.py): the router's update cost and the event loop's longest stall."""
+"""A registry burst reaching a picker (tests/test_picker_registry_burst.py, the end-to-end test
+and bench/bench_registry_apply.py): publishing thousands of models, and measuring the router's
+update cost and the event loop's longest stall."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+
+from nats.js.kv import KeyValue
 
 from services.picker.routing import Router
+from shared.nats_connection import NatsSettings, connect
+from shared.schemas import InferenceModel, TargetModel, encode
+from shared.subjects import Subjects, model_key
 
 
 class TimedRouter(Router):
@@ -45,3 +52,32 @@ class LoopStall:
     def __exit__(self, *_: object) -> None:
         assert self._task is not None
         self._task.cancel()
+
+
+PUTS_IN_FLIGHT = 200  # puts awaiting their acknowledgement at once
+
+
+def burst_model(pool: str, index: int) -> InferenceModel:
+    """Model ``m<index>`` of ``pool``, resolved to the target model ``m<index>-target``."""
+    return InferenceModel(model_name=f"m{index}", pool=pool,
+                          target_models=(TargetModel(f"m{index}-target", 1),))
+
+
+async def put_models(kv: KeyValue, pool: str, count: int) -> None:
+    """Put models ``m0`` to ``m<count - 1>`` into the registry bucket ``kv``, pipelined."""
+    for first in range(0, count, PUTS_IN_FLIGHT):
+        await asyncio.gather(*(
+            kv.put(model_key(pool, f"m{index}"), encode(burst_model(pool, index)))
+            for index in range(first, min(first + PUTS_IN_FLIGHT, count))))
+
+
+async def publish_models(nats_url: str, pool: str, count: int,
+                         on_connected: Callable[[], None] = lambda: None) -> None:
+    """Connect to ``nats_url`` and :func:`put_models` into the registry bucket there."""
+    client = await connect(NatsSettings(url=nats_url), "registry-burst")
+    try:
+        kv = await client.jetstream().key_value(Subjects().registry_bucket)
+        on_connected()
+        await put_models(kv, pool, count)
+    finally:
+        await client.close()
