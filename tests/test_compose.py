@@ -127,6 +127,12 @@ def test_services_use_the_ports_and_pool_of_lig_up(up_plan: StackPlan) -> None:
     assert sim.host == "0.0.0.0"  # reachable from the other containers
 
 
+def test_the_picker_listens_on_loopback_unless_told_otherwise() -> None:
+    assert parse_command(["picker", "--pool", "p"])[1].host == "127.0.0.1"
+    assert parse_command(["picker", "--pool", "p"], {"LIG_HOST": "::"})[1].host == "::"
+    assert parsed("picker").host == "0.0.0.0"  # compose: Envoy is in another container
+
+
 def _probe_ports(service: str) -> list[int]:
     test = SERVICES[service]["healthcheck"]["test"]
     assert test[:4] == ["CMD", "python", "-m", "lig.probes"], test

@@ -32,6 +32,7 @@ from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
 from tests.support.picker import PickerProcess
 from tests.support.ports import free_port
+from tests.support.registry_burst import publish_models
 from tests.support.upstream import UpstreamServer
 from tests.support.waiting import wait_until
 
@@ -40,6 +41,7 @@ HEADER = "x-gateway-destination-endpoint"
 IDLE = {"waiting": 0, "running": 1, "kv_cache_usage": 0.1}
 BUSY = {"waiting": 200, "running": 30, "kv_cache_usage": 0.95}
 SERVERS = ("builtin", "grpc-aio")
+BURST_MODELS = 10_000
 
 
 class Stack:
@@ -540,3 +542,37 @@ def _running(pid: str) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_registry_burst_fails_no_request_and_leaks_no_target_model(tmp_path: Path) -> None:
+    """10,000 models published while requests for a rewritten model go through Envoy: each is
+    served and answered with the model name the client asked for (issue 13, item 6)."""
+    stack = build_stack(tmp_path, pods=2)
+    try:
+        assert stack.feed is not None
+        stack.feed.set_model("chat", target_models=[{"name": "chat-v2", "weight": 1}])
+        stack.settle(lambda: _model_arrived(stack, {"model": "chat"}) == "chat-v2",
+                     "chat resolved")
+        connected = threading.Event()
+        publisher = threading.Thread(target=lambda: asyncio.run(publish_models(
+            stack.nats.url, POOL, BURST_MODELS, on_connected=connected.set)))
+        publisher.start()
+        assert connected.wait(10)
+        outcomes: list[tuple[int, str]] = []
+        deadline = time.monotonic() + 120
+        last = {"model": f"m{BURST_MODELS - 1}"}
+        # Until the picker has the whole burst (bounded: requests and time).
+        while len(outcomes) < 3000 and time.monotonic() < deadline:
+            response = stack.post({"model": "chat", "prompt": "hi"})
+            model = response.json().get("model", "") if response.status_code == 200 else ""
+            outcomes.append((response.status_code, model))
+            if not publisher.is_alive() and len(outcomes) % 10 == 0 and (
+                    _model_arrived(stack, last) == f"{last['model']}-target"):
+                break
+        publisher.join(30)
+        assert _model_arrived(stack, last) == f"{last['model']}-target"
+        print(f"{len(outcomes)} requests during the burst")
+        failed = [outcome for outcome in outcomes if outcome != (200, "chat")]
+        assert len(outcomes) >= 20 and not failed, (len(outcomes), failed[:10])
+    finally:
+        stack.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
@@ -330,5 +331,84 @@ async def test_a_bug_costs_one_request_not_the_stream_or_the_server(start) -> No
                     "picker_error")
                 await call.done_writing()
                 assert await call.code() == grpc.StatusCode.OK
+    finally:
+        await server.stop(0)
+
+
+async def _in_flight_settles(processor: Processor) -> dict[str, int]:
+    """The in-flight counts once the server has closed its streams (it may lag the client by
+    a loop turn or two; 2 s at most)."""
+    for _ in range(200):
+        if not processor.pods.in_flight():
+            break
+        await asyncio.sleep(0.01)  # the pod table has no event to wait on
+    return processor.pods.in_flight()
+
+
+@pytest.mark.parametrize("start", [_start_builtin, _start_grpc_aio], ids=["builtin", "grpc-aio"])
+async def test_a_stream_that_routes_twice_leaves_nothing_in_flight(start) -> None:  # type: ignore[no-untyped-def]
+    processor = make_processor()
+    port, server = await start(processor)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+            call = stub.Process()
+            for body in (b'{"model": "plain"}', b'{"model": "chat"}', b'{"model": "plain"}'):
+                await call.write(request_headers())
+                assert (await call.read()).HasField("request_headers")
+                await call.write(request_body(body))
+                assert (await call.read()).request_body.response.header_mutation.set_headers
+                assert processor.pods.in_flight() == {"pod-a": 1}
+            # a bodiless request routed on its headers, on the same stream
+            await call.write(request_headers(end_of_stream=True))
+            assert (await call.read()).request_headers.response.header_mutation.set_headers
+            assert processor.pods.in_flight() == {"pod-a": 1}
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+        assert await _in_flight_settles(processor) == {}
+    finally:
+        await server.stop(0)
+
+
+def test_only_the_newest_routing_of_a_stream_asks_for_the_response_rewrite() -> None:
+    exchange = Exchange(make_processor())
+    exchange.handle(request_headers())
+    (routed,) = exchange.handle(request_body(b'{"model": "chat"}'))
+    assert routed.request_body.response.body_mutation.body  # rewritten to chat-v2
+    exchange.handle(request_headers())
+    exchange.handle(request_body(b'{"model": "plain"}'))
+    (answer,) = exchange.handle(response_headers(b"application/json"))
+    assert answer == exchange._p.response_headers_continue  # no rewrite of "plain"'s response
+    exchange.close()
+    assert exchange._p.pods.in_flight() == {}
+
+
+@pytest.mark.parametrize("start", [_start_builtin, _start_grpc_aio], ids=["builtin", "grpc-aio"])
+async def test_hostile_bodies_get_a_400_or_pass_through_and_the_stream_stays_healthy(start) -> None:  # type: ignore[no-untyped-def]
+    processor = make_processor()
+    port, server = await start(processor)
+    deep = b'{"model": "chat", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    huge_number = b'{"model": "chat", "x": 1e400, "s": "\xff"}'
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+            for body in (deep, huge_number, b'{"model": "plain"}'):
+                call = stub.Process()
+                await call.write(request_headers())
+                await call.read()
+                await call.write(request_body(body))
+                answer = await call.read()
+                await call.done_writing()
+                assert await call.code() == grpc.StatusCode.OK
+                if body is deep:
+                    immediate = answer.immediate_response
+                    assert immediate.status.code == 400
+                    assert msgspec.json.decode(immediate.body)["error"]["code"] == "json_too_deep"
+                elif body is huge_number:
+                    assert answer.request_body.response.body_mutation.body == (
+                        b'{"model":"chat-v2","x":1e400,"s":"\xff"}')
+                else:
+                    assert answer.request_body.response.header_mutation.set_headers
+        assert await _in_flight_settles(processor) == {}
     finally:
         await server.stop(0)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.picker.routing import ModelRoute, Rejected, Routed, Router, rewrite_model
 from services.picker.state import PodTable
-from shared.registry_view import RegistryView
+from shared.registry_view import RegistryChanges, RegistryView
 from shared.schemas import (
     Criticality,
     Endpoint,
@@ -20,7 +23,9 @@ from shared.schemas import (
     PodMetrics,
     PolicyConfig,
     TargetModel,
+    encode,
 )
+from shared.subjects import model_key, pool_key
 
 POOL = "pool-a"
 
@@ -195,3 +200,131 @@ def test_rewrite_model_keeps_everything_else() -> None:
     assert msgspec.json.decode(rewrite_model(body, "b")) == {
         "model": "b", "n": 1.5, "big": 12345678901234567890, "s": "\u00e9",
         "nested": {"model": "k"}}
+
+
+# --- client mistakes and hostile bodies (issue 13, item 7) -------------------------------------
+
+def _deep(levels: int, before_model: bool = False) -> bytes:
+    nested = b"[" * levels + b"]" * levels
+    if before_model:
+        return b'{"x":' + nested + b',"model":"chat"}'
+    return b'{"model":"chat","x":' + nested + b"}"
+
+
+HOSTILE_BODIES = {
+    "deep arrays": (_deep(5000), 400, "json_too_deep"),
+    "deep arrays before model": (_deep(5000, before_model=True), 400, "json_too_deep"),
+    "deep objects": (b'{"model":"chat","x":' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}", 400,
+                     "json_too_deep"),
+    "top-level key not UTF-8": (b'{"model":"chat","\xff":1}', 400, "invalid_json"),
+    "array at top level": (b'[{"model":"chat"}]', 400, "invalid_request"),
+    "string at top level": (b'"chat"', 400, "invalid_request"),
+    "model is a number": (b'{"model":1}', 400, "invalid_request"),
+    "model is an object": (b'{"model":{"name":"chat"}}', 400, "invalid_request"),
+    "model is null": (b'{"model":null}', 400, "missing_model"),
+    "NaN": (b'{"model":"chat","x":NaN}', 400, "invalid_json"),
+    "trailing garbage": (b'{"model":"chat"} {}', 400, "invalid_json"),
+    "empty": (b"", 400, "invalid_json"),
+}
+
+
+@pytest.mark.parametrize("body, status, code", HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
+def test_client_mistakes_are_400_with_a_code_never_500(body: bytes, status: int,
+                                                       code: str) -> None:
+    fleet = Fleet().model("chat", targets={"chat-v2": 1}).pod("a", 8001)
+    status_, error = error_of(fleet.router.route(body))
+    assert (status_, error["code"], error["type"]) == (status, code, "invalid_request_error")
+
+
+@pytest.mark.parametrize("extra", [b"1e400", b"-1e400", b"9" * 5000, b'"\xff\xfe"',
+                                   b'{"k":"\xc3("}', b"[" + b"1," * 100_000 + b"1]"],
+                         ids=["1e400", "-1e400", "5000-digit integer", "string not UTF-8",
+                              "nested string not UTF-8", "100k-element array"])
+def test_a_rewritten_body_keeps_every_other_member_byte_for_byte(extra: bytes) -> None:
+    fleet = Fleet().model("chat", targets={"chat-v2": 1}).pod("a", 8001)
+    body = b'{"model":"chat","x":' + extra + b',"tail":true}'
+    result = fleet.router.route(body)
+    assert isinstance(result, Routed), result
+    assert result.body == b'{"model":"chat-v2","x":' + extra + b',"tail":true}'
+    unchanged = Fleet().model("chat").pod("a", 8001).router.route(body)
+    assert isinstance(unchanged, Routed) and unchanged.body is None  # passed through as sent
+
+
+def test_duplicate_model_keys_route_and_rewrite_the_last_one_as_python_reads_it() -> None:
+    fleet = Fleet().model("chat", targets={"chat-v2": 1}).model("other").pod("a", 8001)
+    result = fleet.router.route(b'{"model":"other","n":1,"model":"chat"}')
+    assert isinstance(result, Routed)
+    assert (result.model, result.target_model) == ("chat", "chat-v2")
+    assert json.loads(result.body or b"") == {"model": "chat-v2", "n": 1}
+
+
+def test_a_byte_order_mark_is_ignored_as_python_json_does() -> None:
+    fleet = Fleet().model("chat", targets={"chat-v2": 1}).pod("a", 8001)
+    result = fleet.router.route(b'\xef\xbb\xbf{"model":"chat","n":[1]}')
+    assert isinstance(result, Routed)
+    assert result.body == b'{"model":"chat-v2","n":[1]}'
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text()
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(members=st.dictionaries(st.text(max_size=8), _json_values, max_size=5),
+       model=st.sampled_from(["chat", "plain", "unknown", ""]),
+       cut=st.integers(min_value=0, max_value=400), junk=st.binary(max_size=8))
+def test_any_body_is_routed_or_a_400_and_a_rewrite_changes_only_model(
+        members: dict, model: str, cut: int, junk: bytes) -> None:
+    fleet = _ROUTING_FLEET
+    document = {**members, "model": model}
+    body = json.dumps(document).encode()
+    result = fleet.router.route(body)
+    assert isinstance(result, Routed), result
+    if model == "chat":
+        assert json.loads(result.body or b"") == {**document, "model": "chat-v2"}
+    else:
+        assert result.body is None
+    # The same body truncated or with bytes spliced in: routed or a 400, never anything else.
+    broken = body[:cut] + junk + body[cut:]
+    outcome = fleet.router.route(broken)
+    assert isinstance(outcome, Routed) or outcome.status == 400, outcome
+
+
+_ROUTING_FLEET = Fleet().model("chat", targets={"chat-v2": 1}).model("plain").pod("a", 8001)
+
+
+def test_an_incremental_update_routes_as_a_full_rebuild_does() -> None:
+    rng = random.Random(5)
+    view = RegistryView()
+    view.pools[POOL] = InferencePool(name=POOL, target_port=8000)
+    incremental = Router(POOL, PodTable(stale_after=1.0), random.Random(1))
+    incremental.update(view)
+    names = [f"m{index}" for index in range(30)]
+    for _ in range(200):
+        changes = RegistryChanges()
+        for name in rng.sample(names, 3):
+            key = model_key(POOL, name)
+            target = TargetModel(f"{name}-{rng.random()}", 1)
+            value = None if rng.random() < 0.3 else encode(InferenceModel(
+                model_name=name, pool=POOL, target_models=(target,)))
+            view.apply(key, value, changes)
+        view.apply(model_key("other-pool", "m1"), encode(InferenceModel("m1", "other-pool")),
+                   changes)
+        if rng.random() < 0.1:
+            view.apply(pool_key(POOL), encode(InferencePool(
+                name=POOL, target_port=8000, reject_unknown_models=rng.random() < 0.5)), changes)
+        incremental.update(view, changes)
+        rebuilt = Router(POOL, PodTable(stale_after=1.0), random.Random(1))
+        rebuilt.update(view)
+        for name in names:
+            body = msgspec.json.encode({"model": name})
+            assert _target(incremental.route(body)) == _target(rebuilt.route(body)), name
+
+
+def _target(result: Routed | Rejected) -> tuple[int, str]:
+    return (0, result.target_model) if isinstance(result, Routed) else (result.status,
+                                                                         result.target_model)

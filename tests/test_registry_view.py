@@ -8,7 +8,7 @@ import nats.errors
 import pytest
 
 from shared.nats_connection import NatsSettings, connect
-from shared.registry_view import RegistryView, RegistryWatcher
+from shared.registry_view import RegistryChanges, RegistryView, RegistryWatcher
 from shared.schemas import (
     DecodeError,
     Endpoint,
@@ -111,6 +111,58 @@ async def test_first_sync_holds_every_existing_key(nats_server) -> None:
         await asyncio.wait_for(watcher.synced.wait(), 5)
         assert sizes_at_change[0] == 299
         assert "pool-7" not in watcher.view.pools
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await client.close()
+
+
+def test_apply_notes_the_names_it_changed() -> None:
+    view = RegistryView()
+    changes = RegistryChanges()
+    assert not changes
+    view.apply(pool_key("pool.a"), encode(POOL), changes)
+    view.apply(model_key("pool.a", "llama/3.1"), encode(MODEL), changes)
+    view.apply(model_key("pool.a", "gone"), None, changes)
+    view.apply(endpoints_key("pool.b"), None, changes)
+    with pytest.raises(DecodeError):
+        view.apply(model_key("pool.c", "bad"), b"\x00garbage", changes)
+    assert changes == RegistryChanges(pools={"pool.a"}, models={"pool.a": {"llama/3.1", "gone"}},
+                                      endpoints={"pool.b"})
+    assert changes
+
+
+async def test_a_burst_reaches_subscribers_as_one_change_and_a_failing_one_is_logged(
+        nats_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    subjects = Subjects()
+    client = await connect(NatsSettings(url=nats_server.url), "test")
+    js = client.jetstream()
+    kv = await js.create_key_value(bucket=subjects.registry_bucket, history=1)
+    seen: list[RegistryChanges] = []
+    calls: list[int] = []
+
+    def on_changes(changes: RegistryChanges) -> None:
+        seen.append(changes)
+        if len(seen) == 2:
+            raise RuntimeError("subscriber bug")
+
+    watcher = RegistryWatcher(js, subjects.registry_bucket, RegistryView(),
+                              on_change=lambda: calls.append(len(seen)), on_changes=on_changes)
+    stop = asyncio.Event()
+    task = asyncio.create_task(watcher.run(stop))
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 5)
+        assert seen == [RegistryChanges(everything=True)]
+        names = [f"m{index}" for index in range(300)]
+        await asyncio.gather(*(kv.put(model_key("pool.a", name), encode(
+            InferenceModel(model_name=name, pool="pool.a"))) for name in names))
+        await eventually(lambda: len(watcher.view.models.get("pool.a", {})) == 300)
+        await eventually(lambda: sum(len(c.models.get("pool.a", ())) for c in seen[1:]) == 300)
+        assert len(seen) < 100  # bursts, not one call per entry
+        assert "subscriber bug" in caplog.text  # logged, and the watch went on
+        await kv.put(pool_key("pool.a"), encode(POOL))
+        await eventually(lambda: seen[-1] == RegistryChanges(pools={"pool.a"}))
+        assert calls[-1] == len(seen)  # on_change follows on_changes
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)

@@ -111,6 +111,7 @@ def test_pickers_scale_horizontally_behind_a_headless_service() -> None:
     readiness = spec["readinessProbe"]["grpc"]
     assert (readiness["port"], readiness["service"]) == (args.health_port, "readiness")
     assert spec["livenessProbe"]["grpc"] == {"port": args.health_port, "service": "liveness"}
+    assert args.host == "0.0.0.0"  # probes, Envoy and Prometheus use the pod's address
     service = find("Service", "picker")["spec"]
     assert service["clusterIP"] == "None"
     assert {p["port"] for p in service["ports"]} == {args.grpc_port, args.health_port,

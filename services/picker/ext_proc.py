@@ -226,7 +226,7 @@ class Exchange:
         if self._request_mode == NONE:
             requested = _header(message.request_headers, REWRITE_HEADER)
             if requested is not None:  # the response-rewrite filter's stream
-                self._rewrite_to = urllib.parse.unquote(requested.decode())
+                self._rewrite_to = urllib.parse.unquote(requested.decode(errors="replace"))
                 return (self._p.rewrite_headers_continue,)
         if message.request_headers.end_of_stream or self._request_mode == NONE:
             return (self._answer_headers_with(self._p.route(None)),)
@@ -251,9 +251,13 @@ class Exchange:
         return reply
 
     def _take(self, routed: Routed) -> None:
+        # Envoy routes one request per stream, but a peer may route a second on the same
+        # stream (headers or a body again): the request it replaces is no longer in flight,
+        # and only the newest decision may ask for the response rewrite.
+        if self.routed is not None:
+            self._p.pods.finished(self.routed.pod)
         self.routed = routed
-        if routed.body is not None:
-            self._rewrite_to = routed.model
+        self._rewrite_to = routed.model if routed.body is not None else None
 
     def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
         if self._request_mode != STREAMED:

@@ -895,6 +895,10 @@ class Http2Server:
                                                 reuse_port=reuse_port or None, ssl=tls)
         return self._server.sockets[0].getsockname()[1]
 
+    def serving(self) -> bool:
+        """True while the listening socket accepts connections (started and not closed)."""
+        return self._server is not None and self._server.is_serving()
+
     def _connection(self) -> Http2Connection:
         connection = Http2Connection(self._handlers, self._max_message, on_lost=self._lost,
                                      limits=self._limits, loop=asyncio.get_running_loop(),

@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import random
+import socket
 import sys
 from wsgiref.simple_server import WSGIServer
 
@@ -51,6 +52,8 @@ from shared.subjects import Subjects
 log = logging.getLogger("lig.picker")
 
 HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refreshes
+LISTENER_CHECK_INTERVAL = 0.25  # seconds between checks that the ext_proc server still listens
+EXIT_EXT_PROC_LOST = 3  # exit code when the ext_proc server stopped without being asked to
 SHUTDOWN_GRACE = 0.5  # seconds open streams get once the drain delay is over
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # above Envoy's 32 MiB body buffer in deploy/envoy
 GIL_SWITCH_INTERVAL = 0.0002  # seconds (Python's default is 0.005)
@@ -62,8 +65,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--pool", default=env("LIG_POOL") or None, required=not env("LIG_POOL"),
                         help="the InferencePool this picker serves (env LIG_POOL)")
-    parser.add_argument("--host", default=env("LIG_HOST", "0.0.0.0"),
-                        help="address to listen on (env LIG_HOST)")
+    parser.add_argument("--host", default=env("LIG_HOST", "127.0.0.1"),
+                        help="address the ext_proc, health and metrics ports listen on; loopback "
+                        "by default because ext_proc is plaintext unless --tls-cert is given: "
+                        "containers pass --host 0.0.0.0 explicitly (env LIG_HOST)")
     parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
     parser.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
     parser.add_argument("--metrics-port", type=int, default=9090,
@@ -148,8 +153,26 @@ def _serve_metrics(host: str, port: int | None,
     return server
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int,
+def _check_bindable(host: str, port: int, reuse_port: bool) -> None:
+    """Fail with one line when ``host:port`` cannot be bound (grpcio would log its own error
+    first). A port shared through SO_REUSEPORT by this picker's workers passes."""
+    if not port:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise SystemExit(f"picker: cannot listen on {host}:{port}: {exc}") from None
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int, reuse_port: bool,
             credentials: grpc.ServerCredentials | None = None) -> int:
+    _check_bindable(host, port, reuse_port)
     address = f"{host}:{port}"
     try:
         bound = (server.add_secure_port(address, credentials) if credentials is not None
@@ -169,7 +192,7 @@ class _GrpcAioExtProc:
         self._server = grpc_server(reuse_port)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(processor), self._server)
-        self.port = _listen(self._server, host, port,
+        self.port = _listen(self._server, host, port, reuse_port,
                             grpc_credentials(tls) if tls is not None else None)
 
     async def start(self) -> None:
@@ -177,6 +200,18 @@ class _GrpcAioExtProc:
 
     async def stop(self, grace: float) -> None:
         await self._server.stop(grace)
+
+    async def wait_lost(self) -> str:
+        """Return, saying why, once the server has stopped: grpcio ends its serving loop and
+        closes the listener on some inputs (a ``:path`` that is not UTF-8)."""
+        try:
+            # With a timeout grpcio waits on a shielded future: cancelling this wait (when the
+            # picker is told to stop) must not cancel the server's own shutdown future.
+            while await self._server.wait_for_termination(LISTENER_CHECK_INTERVAL):
+                pass
+        except Exception as exc:  # the error that ended grpcio's serving loop
+            return f"grpc.aio's serving loop failed: {type(exc).__name__}: {exc}"
+        return "the grpc.aio server terminated"
 
 
 class _BuiltinExtProc:
@@ -192,6 +227,7 @@ class _BuiltinExtProc:
 
     async def start(self) -> None:
         host, port, reuse_port = self._address
+        _check_bindable(host, port, reuse_port)  # the same one-line error as grpc.aio's
         try:
             self.port = await self._server.start(host, port, reuse_port, self._ssl)
         except OSError as exc:
@@ -199,6 +235,14 @@ class _BuiltinExtProc:
 
     async def stop(self, grace: float) -> None:
         await self._server.stop(grace)
+
+    async def wait_lost(self) -> str:
+        """Return, saying why, once the listening socket no longer accepts connections
+        (polled: asyncio's server offers no notification for it)."""
+        while True:
+            await asyncio.sleep(LISTENER_CHECK_INTERVAL)
+            if not self._server.serving():
+                return "the built-in server's listening socket closed"
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: CollectorRegistry,
@@ -220,11 +264,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     ext_proc_type = _BuiltinExtProc if args.server == "builtin" else _GrpcAioExtProc
     health_server = grpc_server(reuse_port)
     health = PickerHealth(health_server)
+    ext_proc: _BuiltinExtProc | _GrpcAioExtProc | None = None
     try:
+        health_port = _listen(health_server, args.host, args.health_port, reuse_port)
         ext_proc = ext_proc_type(processor, args.host, args.grpc_port, reuse_port, tls)
         await ext_proc.start()
-        health_port = _listen(health_server, args.host, args.health_port)
     except SystemExit:
+        # Nothing may outlive the loop: a grpc.aio server still running when it closes prints
+        # an "Event loop is closed" traceback on exit.
+        if ext_proc is not None:
+            await ext_proc.stop(0)
         if http_server is not None:
             http_server.shutdown()
         raise
@@ -246,18 +295,38 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
              args.host, health_port,
              f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url,
              "on" if args.load_estimate else "off")
-    await stop.wait()
+    lost = await _until_stopped_or_lost(stop, ext_proc)
 
-    drain = args.drain_delay if health.ready else 0.0  # never ready: Envoy sent nothing here
-    log.info("picker stopping: health checks fail from now on; serving %.1fs more while Envoy "
-             "moves new requests to other replicas", drain)
+    if lost is not None:
+        # The ext_proc port no longer answers: report it at once and exit, so that Envoy, the
+        # orchestrator (Kubernetes, the --workers supervisor) or the operator replace us.
+        log.error("the ext_proc server stopped (%s); health reports NOT_SERVING and the "
+                  "picker exits with code %d to be restarted", lost, EXIT_EXT_PROC_LOST)
+        drain = 0.0
+    else:
+        drain = args.drain_delay if health.ready else 0.0  # never ready: Envoy sent nothing
+        log.info("picker stopping: health checks fail from now on; serving %.1fs more while "
+                 "Envoy moves new requests to other replicas", drain)
     await health.stop(0)
     await asyncio.sleep(drain)
     closing = [ext_proc.stop(SHUTDOWN_GRACE), *(cancel_and_wait(task) for task in tasks)]
     if http_server is not None:
         closing.append(asyncio.to_thread(http_server.shutdown))
     await asyncio.gather(*closing)
-    return 0
+    return 0 if lost is None else EXIT_EXT_PROC_LOST
+
+
+async def _until_stopped_or_lost(stop: asyncio.Event,
+                                 ext_proc: _BuiltinExtProc | _GrpcAioExtProc) -> str | None:
+    """Wait for ``stop`` (None) or for the ext_proc server to stop by itself (why it did)."""
+    lost = asyncio.create_task(ext_proc.wait_lost())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (lost, stopping):
+        await cancel_and_wait(task)
+    if stop.is_set() or not lost.done() or lost.cancelled():
+        return None
+    return lost.result()
 
 
 class _NatsLink:
@@ -300,7 +369,7 @@ class _NatsLink:
             undecodable = self._metrics.undecodable.labels("registry")
             self.watcher = RegistryWatcher(
                 self.client.jetstream(), self._subjects.registry_bucket, self._view,
-                on_change=lambda: self._router.update(self._view),
+                on_changes=lambda changes: self._router.update(self._view, changes),
                 on_undecodable=lambda key, exc: undecodable.inc())
             await subscribe(self.client, self._subjects, self.sink)
             await self.watcher.run(stop)

@@ -17,7 +17,7 @@ from services.picker.scheduling import PolicyConfigError, build_policy
 from services.picker.scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
-from shared.registry_view import RegistryView
+from shared.registry_view import RegistryChanges, RegistryView
 from shared.schemas import Criticality, InferenceModel, InferencePool, PolicyConfig
 
 log = logging.getLogger("lig.picker.routing")
@@ -33,6 +33,11 @@ class RequestFields(msgspec.Struct):
 
 
 _decode_fields = msgspec.json.Decoder(RequestFields).decode
+# Top-level members kept as raw bytes: a rewrite re-encodes only ``model``, so whatever the
+# client put elsewhere (numbers beyond float range, any nesting msgspec can skip) passes through
+# byte for byte, as it does for a request that is not rewritten.
+_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_BOM = b"\xef\xbb\xbf"  # RFC 8259 lets a parser ignore it; Python's json (vLLM's) does
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -138,14 +143,32 @@ class Router:
         """The policy in use (rebuilt when the pool's policy configuration changes)."""
         return self._policy
 
-    def update(self, view: RegistryView) -> None:
-        """Take this pool's definition, models and endpoints from the registry view."""
-        pool = view.pools.get(self.pool_name)
+    def update(self, view: RegistryView, changes: RegistryChanges | None = None) -> None:
+        """Take this pool's definition, models and endpoints from the registry view: all of
+        them, or (given ``changes``) only those that changed, so that the cost of an update
+        follows the size of the change, not of the registry."""
+        name = self.pool_name
+        if changes is None:
+            changes = RegistryChanges(everything=True)
+        everything = changes.everything
+        if everything or name in changes.pools:
+            self._take_pool(view.pools.get(name))
+        models = view.models.get(name, {})
+        if everything:
+            self._models = {model: ModelRoute.of(entry) for model, entry in models.items()}
+        else:
+            for model in changes.models.get(name, ()):
+                entry = models.get(model)
+                if entry is None:
+                    self._models.pop(model, None)
+                else:
+                    self._models[model] = ModelRoute.of(entry)
+        if everything or name in changes.endpoints:
+            endpoint_set = view.endpoints.get(name)
+            self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
+
+    def _take_pool(self, pool: InferencePool | None) -> None:
         self._pool = pool
-        self._models = {name: ModelRoute.of(model)
-                        for name, model in view.models.get(self.pool_name, {}).items()}
-        endpoint_set = view.endpoints.get(self.pool_name)
-        self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
         config = pool.policy if pool is not None else PolicyConfig()
         if config != self._policy_config:
             try:
@@ -158,13 +181,13 @@ class Router:
             self._policy_config = config
 
     def route(self, body: bytes) -> Routed | Rejected:
-        """Decide where a request with this JSON ``body`` goes."""
-        try:
-            fields = _decode_fields(body)
-        except msgspec.ValidationError as exc:
-            return reject(400, f"invalid request body: {exc}", "invalid_request")
-        except msgspec.DecodeError:
-            return reject(400, "request body is not valid JSON", "invalid_json")
+        """Decide where a request with this JSON ``body`` goes.
+
+        Every client mistake in ``body`` is a 400 :class:`Rejected` (never an exception).
+        """
+        fields = _request_fields(body)
+        if isinstance(fields, Rejected):
+            return fields
         requested = fields.model
         if requested is None:
             return reject(400, 'request body has no "model" field', "missing_model")
@@ -182,7 +205,12 @@ class Router:
         pick = self._choose(request)
         if isinstance(pick, Rejected):
             return Rejected(pick.status, pick.outcome, pick.body, requested, target, registered)
-        new_body = rewrite_model(body, target) if target != requested else None
+        new_body = None
+        if target != requested:
+            new_body = rewrite_model(body, target)
+            if isinstance(new_body, Rejected):
+                return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
+                                target, registered)
         return Routed(pick.name, pick.address, requested, target, registered, new_body)
 
     def route_bodiless(self) -> Routed | Rejected:
@@ -230,11 +258,42 @@ class Router:
                       "no_ready_endpoint")
 
 
-def rewrite_model(body: bytes, target: str) -> bytes:
-    """``body`` with its top-level ``model`` replaced by ``target`` (other fields kept in order)."""
-    document = msgspec.json.decode(body)
-    document["model"] = target
-    return msgspec.json.encode(document)
+def _request_fields(body: bytes) -> RequestFields | Rejected:
+    """The fields the picker reads from ``body``, or the 400 answering a malformed one."""
+    if body.startswith(_BOM):
+        body = body[len(_BOM):]
+    try:
+        return _decode_fields(body)
+    except msgspec.ValidationError as exc:
+        return reject(400, f"invalid request body: {exc}", "invalid_request")
+    except msgspec.DecodeError:
+        return reject(400, "request body is not valid JSON", "invalid_json")
+    except RecursionError:
+        return _too_deep()
+
+
+def _too_deep() -> Rejected:
+    return reject(400, "request body nests JSON arrays or objects too deeply", "json_too_deep")
+
+
+def rewrite_model(body: bytes, target: str) -> bytes | Rejected:
+    """``body`` with its top-level ``model`` replaced by ``target``; other members are kept in
+    order and byte for byte (a duplicated key keeps its last value, as Python's json reads it).
+
+    A 400 :class:`Rejected` when the top level cannot be split into members (a top-level key
+    that is not UTF-8, say).
+    """
+    if body.startswith(_BOM):
+        body = body[len(_BOM):]
+    try:
+        members = _decode_members(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return reject(400, "request body is not valid JSON (keys must be UTF-8 strings)",
+                      "invalid_json")
+    except RecursionError:
+        return _too_deep()
+    members["model"] = msgspec.Raw(msgspec.json.encode(target))
+    return msgspec.json.encode(members)
 
 
 def _log_decision(request: SchedulingRequest, decision: Decision) -> None:

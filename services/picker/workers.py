@@ -36,7 +36,9 @@ def _worker(args: argparse.Namespace) -> None:
     from shared.service import run_service
 
     setup_logging("picker", args.log_level)
-    run_service(lambda stop: serve(args, stop, CollectorRegistry(), None, reuse_port=True))
+    # The exit code says why a worker ended (the supervisor logs it and restarts the worker).
+    raise SystemExit(run_service(
+        lambda stop: serve(args, stop, CollectorRegistry(), None, reuse_port=True)))
 
 
 def supervise(args: argparse.Namespace) -> int:
