@@ -39,7 +39,7 @@ library and gRPC's C core bound the same things, with the values noted):
   bucket of 1000.)
 - Write back-pressure: reading pauses while the transport holds more than [1 MiB] unsent, and
   resumes below [256 KiB], so a peer that does not read cannot make the server buffer answers.
-- Timeouts: [10 s] for the preface and first SETTINGS, then [300 s] without an open stream
+- Timeouts: [5 s] for the preface and first SETTINGS, then [300 s] without an open stream
   drains the connection (two-step GOAWAY) and closes it.
 - Answers never echo client bytes (grpc-message is a short fixed text) and no frame sent is
   larger than the peer's SETTINGS_MAX_FRAME_SIZE.

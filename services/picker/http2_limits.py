@@ -44,8 +44,9 @@ class Http2Limits(msgspec.Struct, frozen=True):
     # Pause reading while the transport holds more unsent bytes than this; resume below low.
     write_high_water: int = 1 * MIB
     write_low_water: int = 256 * KIB
-    # Seconds to receive the client preface and its first SETTINGS frame.
-    preface_timeout: float = 10.0
+    # Seconds to receive the client preface and its first SETTINGS frame (Envoy, like every
+    # gRPC client, sends both as soon as it connects).
+    preface_timeout: float = 5.0
     # Seconds without an open stream after which the connection is drained (two-step GOAWAY).
     idle_timeout: float = 300.0
 

@@ -55,7 +55,9 @@ HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refre
 LISTENER_CHECK_INTERVAL = 0.25  # seconds between checks that the ext_proc server still listens
 EXIT_EXT_PROC_LOST = 3  # exit code when the ext_proc server stopped without being asked to
 SHUTDOWN_GRACE = 0.5  # seconds open streams get once the drain delay is over
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # above Envoy's 32 MiB body buffer in deploy/envoy
+# Envoy's 32 MiB body buffer (deploy/envoy) plus room for headers and framing: also what one
+# connection of the built-in server may hold in partial messages, so no larger than needed.
+MAX_MESSAGE_BYTES = 33 * 1024 * 1024
 GIL_SWITCH_INTERVAL = 0.0002  # seconds (Python's default is 0.005)
 SERVERS = ("builtin", "grpc-aio")
 
