@@ -1,0 +1,135 @@
+"""A real 3-node NATS cluster for tests: three nats-server processes routed on loopback, each
+with JetStream and its own store, so that streams and KV buckets can be replicated (R3) and a
+node can be killed and brought back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from tests.support.nats_server import nats_server_binary
+from tests.support.ports import free_port, wait_for_port
+from tests.support.processes import die_with_parent
+
+CLUSTER_NAME = "lig-test"
+
+
+class ClusterNode:
+    """One member of :class:`NatsCluster`; keeps its ports and store across restarts."""
+
+    def __init__(self, name: str, store_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.port = free_port()
+        self.route_port = free_port()
+        self.store_dir = store_dir
+        self.extra_args = extra_args
+        self.routes: list[str] = []
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start the server and wait for its client port (routes connect in the background)."""
+        self._process = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+             "--server_name", self.name, "-js", "-sd", str(self.store_dir),
+             "--cluster_name", CLUSTER_NAME, "--cluster", f"nats://127.0.0.1:{self.route_port}",
+             "--routes", ",".join(self.routes), *self.extra_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
+        )
+        wait_for_port(self.port)
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes without telling its peers or clients."""
+        if self._process is None:
+            return
+        self._process.send_signal(signal.SIGKILL)
+        self._process.wait()
+        self._process = None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s."""
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+
+class NatsCluster:
+    """Three routed nodes; ``url`` lists every node's client URL, comma-separated."""
+
+    def __init__(self, base_dir: Path, size: int = 3, extra_args: tuple[str, ...] = ()) -> None:
+        self.nodes = [ClusterNode(f"n{i}", base_dir / f"n{i}", extra_args) for i in range(size)]
+        for node in self.nodes:
+            node.routes = [f"nats://127.0.0.1:{peer.route_port}"
+                           for peer in self.nodes if peer is not node]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def node_at(self, port: int) -> ClusterNode:
+        """The node whose client port is ``port``."""
+        return next(node for node in self.nodes if node.port == port)
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    async def wait_ready(self, within_s: float = 20.0) -> None:
+        """Wait until every running node's JetStream answers (its meta leader is elected)."""
+        deadline = time.monotonic() + within_s
+        for node in self.nodes:
+            if not node.running:
+                continue
+            nc = await nats.connect(node.url, allow_reconnect=False)
+            try:
+                while not await _jetstream_answers(nc):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"JetStream on {node.name} not ready in {within_s} s")
+                    await asyncio.sleep(0.1)
+            finally:
+                await nc.close()
+
+
+async def _jetstream_answers(nc: nats.NATS) -> bool:
+    try:
+        reply = await nc.request("$JS.API.INFO", b"", timeout=0.5)
+    except (nats.errors.Error, TimeoutError):
+        return False
+    return "error" not in json.loads(reply.data)
+
+
+@pytest.fixture
+async def nats_cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
+    """A fresh 3-node JetStream cluster on loopback, ready for R3 streams."""
+    cluster = NatsCluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.stop()
