@@ -105,9 +105,14 @@ class Publisher:
         )
         try:
             kv = await self._js.create_key_value(config)
-        except BadRequestError:
-            # Another instance created it first, perhaps with other settings: use theirs.
-            return await self._js.key_value(self._bucket)
+        except BadRequestError as refused:
+            # Another instance created it first, perhaps with other settings: use theirs. If it
+            # does not exist, the server's reason (e.g. "no suitable peers for placement" for
+            # more replicas than the cluster can place) is the error worth reporting.
+            try:
+                return await self._js.key_value(self._bucket)
+            except BucketNotFoundError:
+                raise refused from None
         log.info("created KV bucket %s (history %d, %d replicas)", self._bucket, HISTORY,
                  self._replicas)
         return kv

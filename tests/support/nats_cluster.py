@@ -12,8 +12,10 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
+from nats.js.api import StorageType, StreamConfig
 
 from tests.support.nats_server import nats_server_binary
 from tests.support.ports import free_port, wait_for_port
@@ -29,6 +31,7 @@ class ClusterNode:
         self.name = name
         self.port = free_port()
         self.route_port = free_port()
+        self.monitor_port = free_port()
         self.store_dir = store_dir
         self.extra_args = extra_args
         self.routes: list[str] = []
@@ -46,12 +49,18 @@ class ClusterNode:
         """Start the server and wait for its client port (routes connect in the background)."""
         self._process = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+             "-m", str(self.monitor_port),
              "--server_name", self.name, "-js", "-sd", str(self.store_dir),
              "--cluster_name", CLUSTER_NAME, "--cluster", f"nats://127.0.0.1:{self.route_port}",
              "--routes", ",".join(self.routes), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
         )
         wait_for_port(self.port)
+
+    def client_names(self) -> list[str]:
+        """Names of the clients connected to this node now (its monitoring endpoint /connz)."""
+        reply = httpx.get(f"http://127.0.0.1:{self.monitor_port}/connz?limit=1000", timeout=2)
+        return [conn.get("name", "") for conn in reply.json().get("connections") or ()]
 
     def kill(self) -> None:
         """SIGKILL: the node vanishes without telling its peers or clients."""
@@ -113,6 +122,17 @@ class NatsCluster:
                     await asyncio.sleep(0.1)
             finally:
                 await nc.close()
+        # The meta leader answers before it knows every peer: wait until it can place a stream
+        # on all of them.
+        nc = await nats.connect(self.url.split(","))
+        try:
+            replicas = sum(1 for node in self.nodes if node.running)
+            while not await _can_place(nc, replicas):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cluster cannot place R{replicas} in {within_s} s")
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
 
 
 async def _jetstream_answers(nc: nats.NATS) -> bool:
@@ -121,6 +141,17 @@ async def _jetstream_answers(nc: nats.NATS) -> bool:
     except (nats.errors.Error, TimeoutError):
         return False
     return "error" not in json.loads(reply.data)
+
+
+async def _can_place(nc: nats.NATS, replicas: int) -> bool:
+    js = nc.jetstream(timeout=2)
+    try:
+        await js.add_stream(StreamConfig(name="PLACEMENT_PROBE", subjects=["placement.probe"],
+                                         storage=StorageType.MEMORY, num_replicas=replicas))
+        await js.delete_stream("PLACEMENT_PROBE")
+    except (nats.errors.Error, TimeoutError):
+        return False
+    return True
 
 
 @pytest.fixture
