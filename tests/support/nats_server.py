@@ -27,9 +27,11 @@ def nats_server_binary() -> str:
 class NatsServer:
     """One nats-server process on a fixed loopback port; restartable with its JetStream store."""
 
-    def __init__(self, store_dir: Path, port: int | None = None) -> None:
+    def __init__(self, store_dir: Path, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self.store_dir = store_dir
+        self.extra_args = extra_args  # e.g. ("-c", "server.conf")
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,7 +41,7 @@ class NatsServer:
     def start(self) -> None:
         self._process = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(self.store_dir)],
+             "-sd", str(self.store_dir), *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
