@@ -96,9 +96,14 @@ async def publish_registry(secured: SecuredNats) -> None:
         await nc.close()
 
 
-async def heard(secured: SecuredNats, subject: str, send: Callable[[], object]) -> list[bytes]:
-    """What the status user (allowed to read every snapshot) hears on ``subject`` while
-    ``send()`` runs and 0.3 s after."""
+async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: str,
+                payload: bytes) -> list[bytes]:
+    """What the status user (allowed to read every snapshot) hears on ``subject`` when
+    ``sender`` publishes ``payload`` on ``publish_to``.
+
+    Both connections are flushed: once the sender's PING is answered the server has routed the
+    message, and once the listener's is, the listener has received it.
+    """
     listener = await secured.connect("status")
     got: list[bytes] = []
 
@@ -108,8 +113,10 @@ async def heard(secured: SecuredNats, subject: str, send: Callable[[], object]) 
     try:
         await listener.subscribe(subject, cb=keep)
         await listener.flush()
-        await send()  # type: ignore[misc]
-        await asyncio.sleep(0.3)
+        await sender.publish(publish_to, payload)
+        await sender.flush()
+        await listener.flush()
+        await asyncio.sleep(0.2)  # callbacks run in the listener's own task
     finally:
         await listener.close()
     return got
@@ -168,8 +175,8 @@ async def test_a_picker_cannot_publish_a_snapshot_or_write_the_registry(
     picker = await secured.connect("picker", errors)
     try:
         fake = encode(snapshot())
-        got = await heard(secured, SUBJECTS.all_metrics(), lambda: picker.publish(
-            SUBJECTS.metrics("pool-a", "pod-0"), fake))
+        got = await heard(secured, SUBJECTS.all_metrics(), picker,
+                          SUBJECTS.metrics("pool-a", "pod-0"), fake)
         assert got == []
         await eventually(lambda: any("permissions violation for publish" in e.lower()
                                      for e in errors),
@@ -206,8 +213,8 @@ async def test_a_collector_cannot_write_the_registry(secured: SecuredNats) -> No
             await collector.jetstream(timeout=1).update_stream(
                 (await collector.jetstream().stream_info(f"KV_{SUBJECTS.registry_bucket}")).config)
         # It may publish snapshots (that is its job).
-        got = await heard(secured, SUBJECTS.all_metrics(), lambda: collector.publish(
-            SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot())))
+        got = await heard(secured, SUBJECTS.all_metrics(), collector,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
         assert len(got) == 1
     finally:
         await collector.close()
@@ -226,8 +233,8 @@ async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
         kv = await status.jetstream(timeout=1).key_value(SUBJECTS.registry_bucket)
         with pytest.raises((nats.errors.Error, TimeoutError)):
             await kv.put("pool.pool-a", b"x")
-        got = await heard(secured, SUBJECTS.all_metrics(), lambda: status.publish(
-            SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot())))
+        got = await heard(secured, SUBJECTS.all_metrics(), status,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
         assert got == []
 
         # Replay: a bucket and snapshots of its own, nothing under the production prefix.
@@ -235,8 +242,8 @@ async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
         await own.put("pool.x", b"x")
         with pytest.raises((nats.errors.Error, TimeoutError)):
             await replay.jetstream(timeout=1).key_value(SUBJECTS.registry_bucket)
-        got = await heard(secured, SUBJECTS.all_metrics(), lambda: replay.publish(
-            SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot())))
+        got = await heard(secured, SUBJECTS.all_metrics(), replay,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
         assert got == []
     finally:
         await status.close()
@@ -248,7 +255,7 @@ async def test_every_service_works_with_its_own_credentials(
 ) -> None:
     pods = simulated_pods(2)
     registry_file = tmp_path / "pool.yaml"
-    pool_doc = pool(endpoints=0)
+    pool_doc = pool(endpoints=0, allowedNetworks=["127.0.0.0/8"])
     pool_doc["spec"]["endpoints"] = [
         {"name": f"pod-{i}", "address": "127.0.0.1", "port": port}
         for i, port in enumerate(pods.ports)]

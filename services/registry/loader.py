@@ -5,8 +5,9 @@ so any source can feed the same validation: today the file source in :mod:`.file
 Kubernetes watch. Checks, in order:
 
 1. each document on its own: a mapping with a supported ``apiVersion`` and a known ``kind``,
-   every field of :mod:`.crd` present and well-typed, endpoint addresses that are IPs, no duplicate
-   endpoints or target models inside the object, a scheduling policy that builds;
+   every field of :mod:`.crd` present and well-typed, endpoint addresses that are IPs inside the
+   pool's allowed networks (:mod:`.networks`), no duplicate endpoints or target models inside
+   the object, a scheduling policy that builds;
 2. across documents, only when every document passed (otherwise a broken pool would also show up as
    "missing pool" noise): unique pool names (KV keys have no namespace, so across namespaces
    too), unique InferenceModel names per namespace, every ``poolRef`` naming a pool of the model's
@@ -28,6 +29,7 @@ import msgspec
 
 from services.picker.scheduling import PolicyConfigError, build_policy
 from services.registry import crd
+from services.registry import networks as networks_module
 from shared.schemas import (
     Criticality,
     Endpoint,
@@ -197,11 +199,25 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
                 f"duplicate endpoint address {hostport[0]}:{hostport[1]}", f"{at}.address"))
         names.add(endpoint.name)
         hostports.add(hostport)
+    problems += _check_networks(document, pool)
     scheduling = pool.spec.scheduling
     try:
         build_policy(PolicyConfig(scheduling.policy, scheduling.params), random.Random())
     except PolicyConfigError as exc:
         problems.append(document.problem(str(exc), "spec.scheduling"))
+    return problems
+
+
+def _check_networks(document: Document, pool: crd.PoolObject) -> list[Problem]:
+    """Every endpoint inside the pool's allowed networks (:mod:`.networks`)."""
+    listed = pool.spec.allowed_networks
+    networks, bad = networks_module.parse_networks(
+        listed if listed is not None else networks_module.DEFAULT_ALLOWED_NETWORKS)
+    problems = [document.problem(message, f"spec.allowedNetworks[{i}]") for i, message in bad]
+    for i, endpoint in enumerate(pool.spec.endpoints or ()):
+        reason = networks_module.refusal(endpoint.address, networks, explicit=listed is not None)
+        if reason is not None:
+            problems.append(document.problem(reason, f"spec.endpoints[{i}].address"))
     return problems
 
 
