@@ -44,6 +44,9 @@ async def test_snapshots_for_unregistered_addresses_are_dropped_and_counted(
         values = samples(picker)
         assert values[("lig_picker_pods", (("state", "fresh"),))] == 1
         assert values[("lig_picker_pods", (("state", "stale"),))] == 1
+        # Every snapshot received is counted, dropped or not (the ingest rate).
+        assert values[("lig_picker_snapshots_received_total", ())] >= \
+            values[("lig_picker_wrong_address_snapshots_total", ())] + 1
         assert "registered at another address" in picker.log()
     finally:
         feed.stop()

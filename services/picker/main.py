@@ -259,7 +259,8 @@ class _NatsLink:
             pool, pods,
             on_undecodable=metrics.undecodable.labels("metrics").inc,
             on_out_of_order=metrics.out_of_order.inc,
-            on_wrong_address=metrics.wrong_address.inc)
+            on_wrong_address=metrics.wrong_address.inc,
+            on_received=metrics.snapshots.inc)
 
     @property
     def connected(self) -> bool:

@@ -28,17 +28,20 @@ class SnapshotSink:
     def __init__(self, pool: str, table: PodTable,
                  on_undecodable: Callable[[], None] = lambda: None,
                  on_out_of_order: Callable[[], None] = lambda: None,
-                 on_wrong_address: Callable[[], None] = lambda: None) -> None:
+                 on_wrong_address: Callable[[], None] = lambda: None,
+                 on_received: Callable[[], None] = lambda: None) -> None:
         self.pool = pool
         self.table = table
         self._on_undecodable = on_undecodable
         self._on_out_of_order = on_out_of_order
         self._on_wrong_address = on_wrong_address
+        self._on_received = on_received
         self._wrong_address = RateLimitedLog(log)
         self._bad = RateLimitedLog(log)
 
     def accept(self, subject: str, data: bytes) -> None:
         """Apply one payload received on ``subject``; count and skip it when it is bad."""
+        self._on_received()
         try:
             snapshot = decode(data, PodMetrics)
         except DecodeError as exc:

@@ -42,6 +42,12 @@ class ClusterNode:
         return f"nats://127.0.0.1:{self.port}"
 
     @property
+    def pid(self) -> int:
+        """The running node's process id (for CPU accounting in benchmarks)."""
+        assert self._process is not None
+        return self._process.pid
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -38,6 +38,12 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (for CPU accounting in benchmarks)."""
+        assert self._process is not None
+        return self._process.pid
+
     def start(self) -> None:
         self._process = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
