@@ -130,8 +130,13 @@ def _subscriber(url: str, apply: bool, pods: int, ready: Any, conn: Any) -> None
         await nc.flush()
         ready.set()
         started_cpu, started_count = time.process_time(), count
-        await asyncio.to_thread(conn.recv)  # the publisher is done
-        await asyncio.sleep(0.5)  # drain what is in flight
+        expected = await asyncio.to_thread(conn.recv)  # the publisher is done
+        # Drain what is in flight: until all arrived, or nothing arrived for a second.
+        last, quiet_since = -1, time.monotonic()
+        while count - started_count < expected and time.monotonic() - quiet_since < 1.0:
+            if count != last:
+                last, quiet_since = count, time.monotonic()
+            await asyncio.sleep(0.05)
         conn.send((count - started_count, time.process_time() - started_cpu))
         await nc.close()
     uvloop.run(main())
@@ -168,7 +173,7 @@ def ingest_cpu(url: str, apply: bool, pods: int, count: int) -> float:
         members = endpoints(pods)
         payloads = [(SUBJECTS.metrics(POOL, e.name), encode(snapshot(e, 1))) for e in members]
         asyncio.run(publish_cpu(url, lambda i: payloads[i % pods], count))
-        parent.send("done")
+        parent.send(count)
         if not parent.poll(20):
             raise RuntimeError("subscriber did not report")
         received, cpu = parent.recv()
