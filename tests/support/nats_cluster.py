@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,51 +16,31 @@ import nats
 import pytest
 from nats.js.api import StorageType, StreamConfig
 
-from tests.support.nats_server import nats_server_binary
-from tests.support.ports import free_port, wait_for_port
-from tests.support.processes import die_with_parent
+from tests.support.nats_server import NatsServer
+from tests.support.ports import free_port
 
 CLUSTER_NAME = "lig-test"
 
 
-class ClusterNode:
+class ClusterNode(NatsServer):
     """One member of :class:`NatsCluster`; keeps its ports and store across restarts."""
 
     def __init__(self, name: str, store_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(store_dir, extra_args=extra_args)
         self.name = name
-        self.port = free_port()
         self.route_port = free_port()
         self.monitor_port = free_port()
-        self.store_dir = store_dir
-        self.extra_args = extra_args
         self.routes: list[str] = []
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        """The running node's process id (for CPU accounting in benchmarks)."""
-        assert self._process is not None
-        return self._process.pid
 
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def start(self) -> None:
-        """Start the server and wait for its client port (routes connect in the background)."""
-        self._process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
-             "-m", str(self.monitor_port),
-             "--server_name", self.name, "-js", "-sd", str(self.store_dir),
-             "--cluster_name", CLUSTER_NAME, "--cluster", f"nats://127.0.0.1:{self.route_port}",
-             "--routes", ",".join(self.routes), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
-        )
-        wait_for_port(self.port)
+    def command(self) -> list[str]:
+        """The server's flags plus its name, monitoring port and cluster routes."""
+        return [*super().command(), "-m", str(self.monitor_port), "--server_name", self.name,
+                "--cluster_name", CLUSTER_NAME, "--cluster",
+                f"nats://127.0.0.1:{self.route_port}", "--routes", ",".join(self.routes)]
 
     def client_names(self) -> list[str]:
         """Names of the clients connected to this node now (its monitoring endpoint /connz)."""
@@ -74,18 +53,6 @@ class ClusterNode:
             return
         self._process.send_signal(signal.SIGKILL)
         self._process.wait()
-        self._process = None
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 5 s."""
-        if self._process is None:
-            return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
         self._process = None
 
 
@@ -114,7 +81,7 @@ class NatsCluster:
         for node in self.nodes:
             node.stop()
 
-    async def wait_ready(self, within_s: float = 20.0) -> None:
+    async def wait_ready(self, within_s: float = 30.0) -> None:
         """Wait until every running node's JetStream answers (its meta leader is elected)."""
         deadline = time.monotonic() + within_s
         for node in self.nodes:

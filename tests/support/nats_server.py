@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import free_port, wait_for_port
+from tests.support.processes import die_with_parent
 
 
 def nats_server_binary() -> str:
@@ -44,12 +45,16 @@ class NatsServer:
         assert self._process is not None
         return self._process.pid
 
+    def command(self) -> list[str]:
+        """The nats-server command line (subclasses add their flags)."""
+        return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+                "-sd", str(self.store_dir), *self.extra_args]
+
     def start(self) -> None:
+        """Start the server and wait until its client port accepts connections."""
         self._process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(self.store_dir), *self.extra_args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
         )
         wait_for_port(self.port)
 
