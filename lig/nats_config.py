@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import msgspec
@@ -50,9 +51,13 @@ def run(args: argparse.Namespace) -> int:
     subjects = Subjects(args.prefix)
     replay = Subjects(args.replay_prefix or f"{args.prefix}-replay")
     if replay.prefix == subjects.prefix:
-        print("lig nats-config: --replay-prefix must differ from --prefix", flush=True)
+        print("lig nats-config: --replay-prefix must differ from --prefix", file=sys.stderr)
         return 2
-    users = write_config(args.out, subjects, replay)
+    try:
+        users = write_config(args.out, subjects, replay)
+    except OSError as exc:
+        print(f"lig nats-config: cannot write into {args.out}: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out / 'auth.conf'} ({len(users)} users: "
           f"{', '.join(user.user for user in users)})")
     print(f"wrote {', '.join(f'{name}.env' for name in SERVICES)} in {args.out}")

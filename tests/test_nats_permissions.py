@@ -165,6 +165,11 @@ def test_command_writes_the_files(tmp_path: Path) -> None:
         [sys.executable, "-m", "lig.cli", "nats-config", "--out", str(tmp_path / "x"),
          "--replay-prefix", "lig"], capture_output=True, text=True, timeout=30)
     assert same.returncode == 2
+    (tmp_path / "a-file").write_text("")
+    blocked = subprocess.run(
+        [sys.executable, "-m", "lig.cli", "nats-config", "--out", str(tmp_path / "a-file")],
+        capture_output=True, text=True, timeout=30)
+    assert blocked.returncode == 2 and "cannot write into" in blocked.stderr, blocked.stderr
 
 
 async def test_a_picker_cannot_publish_a_snapshot_or_write_the_registry(
