@@ -122,6 +122,14 @@ async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: 
     return got
 
 
+async def recorded_messages(nc: Client) -> int:
+    """Messages in the recording stream (0 while it does not exist or does not answer)."""
+    try:
+        return (await nc.jetstream(timeout=2).stream_info(SUBJECTS.metrics_stream)).state.messages
+    except (nats.errors.Error, TimeoutError):
+        return 0
+
+
 def start_service(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """``lig ARGV`` logging into ``log_path``."""
     with log_path.open("wb") as log:
@@ -277,11 +285,15 @@ async def test_every_service_works_with_its_own_credentials(
         picker = PickerProcess("pool-a", secured.url, tmp_path,
                                extra_args=tuple(secured.flags("picker"))).start()
         try:
-            picker.wait_ready(timeout=30)
+            # Four Python services start at once here; on a busy machine that takes a while.
+            picker.wait_ready(timeout=60)
             status = await secured.connect("status")
             try:
-                recorded = await status.jetstream().stream_info(SUBJECTS.metrics_stream)
-                assert recorded.state.messages > 0
+                # The collector creates the recording stream beside its first scrapes.
+                deadline = time.monotonic() + 15
+                while not await recorded_messages(status):
+                    assert time.monotonic() < deadline, "nothing recorded in 15 s"
+                    await asyncio.sleep(0.2)
             finally:
                 await status.close()
             result = await asyncio.to_thread(status_until_fresh, [

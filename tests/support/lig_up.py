@@ -41,6 +41,10 @@ class RunningStack:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def read_to_end(self, within: float = 5.0) -> None:
+        """After the process exited: wait until every line it wrote has been read."""
+        self._reader.join(within)
+
     def child_pids(self) -> list[int]:
         """The pids ``lig up`` printed for its children."""
         return [int(line.rsplit("[pid ", 1)[1].rstrip("]")) for line in self.lines
