@@ -185,3 +185,53 @@ def up_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     up.configure(parser)
     return parser
+
+
+async def readable_within(urls: list[str], seconds: float) -> bool:
+    """True once the registry bucket can be read from ``urls`` (short requests) in time."""
+    nc = await nats.connect(urls, allow_reconnect=False)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if await read_bucket(nc.jetstream(timeout=0.5), SUBJECTS.registry_bucket):
+                    return True
+            except (nats.errors.Error, TimeoutError):
+                await asyncio.sleep(0.1)
+        return False
+    finally:
+        await nc.close()
+
+
+async def kill_the_leader(cluster: NatsCluster, nc: Client) -> list[str]:
+    """SIGKILL the node leading the bucket's stream; the survivors' URLs."""
+    leader = (await nc.jetstream().stream_info(KV_STREAM)).cluster.leader  # type: ignore[union-attr]
+    victim = next(node for node in cluster.nodes if node.name == leader)
+    victim.kill()
+    return [node.url for node in cluster.nodes if node is not victim]
+
+
+async def test_the_registry_survives_losing_its_node_with_r3_and_not_with_r1(
+    nats_cluster: NatsCluster,
+) -> None:
+    """The issue's failure: an R1 bucket goes with its node; at R3 the survivors serve it."""
+    nc = await nats.connect(nats_cluster.url.split(","))
+    try:
+        await Publisher(nc.jetstream(), SUBJECTS.registry_bucket).publish(REGISTRY)
+        survivors = await kill_the_leader(nats_cluster, nc)
+    finally:
+        await nc.close()
+    assert not await readable_within(survivors, 3.0)
+
+    for node in nats_cluster.nodes:
+        if not node.running:
+            node.start()
+    await nats_cluster.wait_ready()
+    nc = await nats.connect(nats_cluster.url.split(","))
+    try:
+        await Publisher(nc.jetstream(), SUBJECTS.registry_bucket, replicas=3).publish(REGISTRY)
+        assert await replicas_of(nc, KV_STREAM, settle_s=10) == (3, 3)
+        survivors = await kill_the_leader(nats_cluster, nc)
+    finally:
+        await nc.close()
+    assert await readable_within(survivors, 10.0)
