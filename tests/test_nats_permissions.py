@@ -30,6 +30,9 @@ from tests.support.waiting import eventually
 SUBJECTS = Subjects()
 REPLAY = Subjects("lig-replay")
 SERVICES = ("registry", "collector", "picker", "status", "replay")
+# JetStream request timeout where a denied request is expected: it gets no answer and times out.
+# The same contexts also make allowed requests, so not too short for a busy machine.
+DENIED_S = 3.0
 
 
 class SecuredNats:
@@ -97,12 +100,13 @@ async def publish_registry(secured: SecuredNats) -> None:
 
 
 async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: str,
-                payload: bytes) -> list[bytes]:
+                payload: bytes, expect: bool = False) -> list[bytes]:
     """What the status user (allowed to read every snapshot) hears on ``subject`` when
     ``sender`` publishes ``payload`` on ``publish_to``.
 
     Both connections are flushed: once the sender's PING is answered the server has routed the
-    message, and once the listener's is, the listener has received it.
+    message, and once the listener's is, the listener has received it; its callback runs in a
+    task of its own, so an ``expect``ed message is waited for (up to 5 s on a busy machine).
     """
     listener = await secured.connect("status")
     got: list[bytes] = []
@@ -116,7 +120,10 @@ async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: 
         await sender.publish(publish_to, payload)
         await sender.flush()
         await listener.flush()
-        await asyncio.sleep(0.2)  # callbacks run in the listener's own task
+        if expect:
+            await eventually(lambda: bool(got), within=5, what=f"a message on {subject}")
+        else:
+            await asyncio.sleep(0.3)  # a message that did arrive would be handled by now
     finally:
         await listener.close()
     return got
@@ -193,14 +200,14 @@ async def test_a_picker_cannot_publish_a_snapshot_or_write_the_registry(
         assert got == []
         await eventually(lambda: any("permissions violation for publish" in e.lower()
                                      for e in errors),
-                         within=2, what="a permission violation reported to the picker")
+                         within=5, what="a permission violation reported to the picker")
 
-        kv = await picker.jetstream(timeout=1).key_value(SUBJECTS.registry_bucket)
+        kv = await picker.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
         before = (await kv.get("endpoints.pool-a")).value
         with pytest.raises((nats.errors.Error, TimeoutError)):
             await kv.put("endpoints.pool-a", b"poisoned")
         with pytest.raises((nats.errors.Error, TimeoutError)):
-            await picker.jetstream(timeout=1).delete_key_value(SUBJECTS.registry_bucket)
+            await picker.jetstream(timeout=DENIED_S).delete_key_value(SUBJECTS.registry_bucket)
         assert (await kv.get("endpoints.pool-a")).value == before
 
         # What a picker may do: read the registry, hear snapshots, publish decisions.
@@ -219,15 +226,15 @@ async def test_a_collector_cannot_write_the_registry(secured: SecuredNats) -> No
     errors: list[str] = []
     collector = await secured.connect("collector", errors)
     try:
-        kv = await collector.jetstream(timeout=1).key_value(SUBJECTS.registry_bucket)
+        kv = await collector.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
         with pytest.raises((nats.errors.Error, TimeoutError)):
             await kv.put("endpoints.pool-a", b"poisoned")
         with pytest.raises((nats.errors.Error, TimeoutError)):
-            await collector.jetstream(timeout=1).update_stream(
+            await collector.jetstream(timeout=DENIED_S).update_stream(
                 (await collector.jetstream().stream_info(f"KV_{SUBJECTS.registry_bucket}")).config)
         # It may publish snapshots (that is its job).
         got = await heard(secured, SUBJECTS.all_metrics(), collector,
-                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()), expect=True)
         assert len(got) == 1
     finally:
         await collector.close()
@@ -243,7 +250,7 @@ async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
     replay = await secured.connect("replay", [])
     try:
         assert await read_bucket(status.jetstream(), SUBJECTS.registry_bucket)
-        kv = await status.jetstream(timeout=1).key_value(SUBJECTS.registry_bucket)
+        kv = await status.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
         with pytest.raises((nats.errors.Error, TimeoutError)):
             await kv.put("pool.pool-a", b"x")
         got = await heard(secured, SUBJECTS.all_metrics(), status,
@@ -251,10 +258,10 @@ async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
         assert got == []
 
         # Replay: a bucket and snapshots of its own, nothing under the production prefix.
-        own = await replay.jetstream(timeout=2).create_key_value(bucket=REPLAY.registry_bucket)
+        own = await replay.jetstream().create_key_value(bucket=REPLAY.registry_bucket)
         await own.put("pool.x", b"x")
         with pytest.raises((nats.errors.Error, TimeoutError)):
-            await replay.jetstream(timeout=1).key_value(SUBJECTS.registry_bucket)
+            await replay.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
         got = await heard(secured, SUBJECTS.all_metrics(), replay,
                           SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
         assert got == []
