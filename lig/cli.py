@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("lig.explain", "run a scheduling policy on given pods and show every step"),
     "metrics": ("lig.metrics_check", "show what the gateway reads from a model server's /metrics"),
     "bench": ("scheduling_bench.main", "compare scheduling policies on a simulated fleet"),
+    "nats-config": ("lig.nats_config", "write per-service NATS users with least privilege"),
 }
 
 

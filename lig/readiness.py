@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from lig.probes import grpc_serving, http_ok
@@ -25,6 +26,7 @@ from shared.schemas import DecodeError, EndpointSet, PodMetrics, decode
 from shared.subjects import Subjects, endpoints_key
 
 POLL_INTERVAL = 0.2
+PROBE_TIMEOUT = 1.0
 
 
 class Check:
@@ -63,10 +65,15 @@ class _Stack:
         if self.nc is None:
             return False
         try:
-            kv = await self.nc.jetstream().key_value(self.subjects.registry_bucket)
+            # A short timeout: on a cluster the bucket answers only once its stream has a leader
+            # (just after it is created with replicas, or after a node is lost); until then the
+            # request times out and the check is simply not passed yet.
+            js = self.nc.jetstream(timeout=PROBE_TIMEOUT)
+            kv = await js.key_value(self.subjects.registry_bucket)
             entry = await kv.get(endpoints_key(self.plan.pool))
             published = decode(entry.value or b"", EndpointSet)
-        except (BucketNotFoundError, KeyNotFoundError, NotFoundError, DecodeError):
+        except (BucketNotFoundError, KeyNotFoundError, NotFoundError, DecodeError,
+                NatsError, TimeoutError):
             return False
         return bool(published.endpoints)
 

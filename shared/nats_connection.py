@@ -12,6 +12,7 @@ import msgspec
 import nats
 from nats.aio.client import Client
 
+from shared.replication import replica_count
 from shared.subjects import DEFAULT_PREFIX
 
 log = logging.getLogger("lig.nats")
@@ -29,13 +30,16 @@ class NatsSettings(msgspec.Struct, frozen=True):
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Copies of the JetStream state this service creates (bucket, streams); see shared.replication
+    replicas: int = 1
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the NATS flags every service shares (defaults from ``LIG_NATS_*`` variables)."""
     env = os.environ.get
+    defaults = NatsSettings()  # an instance: msgspec's class attributes are field descriptors
     group = parser.add_argument_group("NATS")
-    group.add_argument("--nats-url", default=env("LIG_NATS_URL", NatsSettings.url),
+    group.add_argument("--nats-url", default=env("LIG_NATS_URL", defaults.url),
                        help="NATS server URL(s), comma-separated (env LIG_NATS_URL)")
     group.add_argument("--prefix", default=env("LIG_PREFIX", DEFAULT_PREFIX),
                        help="subject prefix; the KV bucket is <prefix>-registry (env LIG_PREFIX)")
@@ -51,6 +55,11 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
                        help="client certificate for mutual TLS (env LIG_NATS_TLS_CERT)")
     group.add_argument("--nats-tls-key", default=env("LIG_NATS_TLS_KEY"),
                        help="client key for mutual TLS (env LIG_NATS_TLS_KEY)")
+    group.add_argument("--nats-replicas", type=replica_count,
+                       default=env("LIG_NATS_REPLICAS", str(defaults.replicas)),
+                       help="JetStream replicas of the registry bucket and the recording stream: "
+                            "1 for a single server, 3 on a cluster; existing ones are updated "
+                            "to this count (env LIG_NATS_REPLICAS)")
 
 
 def settings_from_args(args: argparse.Namespace) -> NatsSettings:
@@ -59,6 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> NatsSettings:
         url=args.nats_url, prefix=args.prefix, user=args.nats_user, password=args.nats_password,
         token=args.nats_token, creds_file=args.nats_creds, tls_ca=args.nats_tls_ca,
         tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key,
+        replicas=args.nats_replicas,
     )
 
 

@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "tests.support.nats_server",
+    "tests.support.nats_cluster",
     "tests.support.metrics_pages",
     "tests.support.envoy",
     "tests.support.picker",

@@ -14,6 +14,7 @@ from services.picker.state import PodTable
 from shared.schemas import Endpoint, PodMetrics, PolicyConfig, encode
 
 ENDPOINTS = [Endpoint("pod-a", "10.0.0.1", 8000), Endpoint("pod-b", "10.0.0.2", 8000)]
+ADDRESSES = {endpoint.name: endpoint.hostport for endpoint in ENDPOINTS}
 
 
 class FakeClock:
@@ -25,8 +26,9 @@ class FakeClock:
 
 
 def snapshot(pod: str, seq: int, scrape_time_ns: int = 0, ok: bool = True,
-             **fields: object) -> PodMetrics:
-    return PodMetrics(pool="p", pod=pod, address="ignored:1", seq=seq,
+             address: str | None = None, **fields: object) -> PodMetrics:
+    address = address or ADDRESSES.get(pod, "10.9.9.9:8000")
+    return PodMetrics(pool="p", pod=pod, address=address, seq=seq,
                       scrape_time_ns=scrape_time_ns or seq * 1_000_000, scrape_duration_s=0.01,
                       ok=ok, error=None if ok else "timeout", **fields)  # type: ignore[arg-type]
 
@@ -90,12 +92,36 @@ def test_failed_scrape_is_not_fresh(table: PodTable) -> None:
 
 
 def test_non_members_are_ignored_and_pruned(table: PodTable) -> None:
-    table.apply(snapshot("pod-z", 1))
+    table.apply(snapshot("pod-z", 1, address="10.0.0.9:9000"))
     assert table.fresh_views() == []
     assert not table.has_member_snapshot()
     table.set_endpoints([*ENDPOINTS, Endpoint("pod-z", "10.0.0.9", 9000)])
     assert [v.address for v in table.fresh_views()] == ["10.0.0.9:9000"]
     table.set_endpoints(ENDPOINTS)
+    assert table.fresh_views() == []
+
+
+def test_snapshot_for_another_address_is_dropped_and_counted(table: PodTable) -> None:
+    wrong: list[int] = []
+    sink = SnapshotSink("p", table, on_wrong_address=lambda: wrong.append(1))
+    sink.accept("lig.metrics.p.pod-a", encode(snapshot("pod-a", 1, waiting=40)))
+    # A forged (or stale) snapshot naming pod-a but another address: it must not make the
+    # registered pod-a look idle.
+    sink.accept("lig.metrics.p.pod-a", encode(snapshot("pod-a", 2, waiting=0,
+                                                       address="10.6.6.6:8000")))
+    assert wrong == [1]
+    assert [(v.name, v.waiting) for v in table.fresh_views()] == [("pod-a", 40)]
+
+
+def test_early_snapshot_for_another_address_is_forgotten_when_the_pod_is_registered(
+    table: PodTable,
+) -> None:
+    table.apply(snapshot("pod-z", 1, address="10.6.6.6:8000"))
+    table.set_endpoints([*ENDPOINTS, Endpoint("pod-z", "10.0.0.9", 9000)])
+    assert table.fresh_views() == []
+    # A pod moved to a new address: its old snapshots no longer describe it.
+    table.apply(snapshot("pod-a", 1))
+    table.set_endpoints([Endpoint("pod-a", "10.0.0.5", 8000)])
     assert table.fresh_views() == []
 
 

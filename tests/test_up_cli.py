@@ -93,6 +93,7 @@ def write_pool(directory: Path, pods: SimulatedPods) -> None:
         spec:
           selector: {app: my-vllm}
           targetPortNumber: 8000
+          allowedNetworks: [127.0.0.0/8]
           endpoints:
         """) + endpoints + "\n" + textwrap.dedent("""\
         ---

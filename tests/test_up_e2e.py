@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import nats
@@ -28,10 +25,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lig.status import PICKER_REQUESTS_FAMILY
-from lig.topology import StackInfo, ports_in_use
+from lig.topology import ports_in_use
 from shared.schemas import DecodeError, PodMetrics, decode
 from shared.subjects import Subjects
-from tests.support.ports import free_port
+from tests.support.lig_up import RunningStack, lig_up
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(90)
@@ -45,65 +42,11 @@ CONCURRENCY = 4
 SATURATED_WAITING = 5  # the filter tree sheds when every pod has more than this many waiting
 
 
-class RunningStack:
-    """A ``lig up`` process and what it said."""
-
-    def __init__(self, process: subprocess.Popen[str], gateway: str, state_dir: Path) -> None:
-        self.process = process
-        self.gateway = gateway
-        self.state_dir = state_dir
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("lig up: ready"):
-                self.ready.set()
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def child_pids(self) -> list[int]:
-        """The pids ``lig up`` printed for its children."""
-        return [int(line.rsplit("[pid ", 1)[1].rstrip("]")) for line in self.lines
-                if line.endswith("]") and "[pid " in line]
-
-    @property
-    def info(self) -> StackInfo:
-        info = StackInfo.read(self.state_dir)
-        assert info is not None, "lig up wrote no stack.json"
-        return info
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     state_dir = tmp_path_factory.mktemp("lig-up") / "state"
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "lig.cli", "up", "--free-ports", "--port", str(port),
-         "--state-dir", str(state_dir), "--sim-args", "--max-num-seqs 2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=Path(__file__).parents[1], start_new_session=True,
-    )
-    running = RunningStack(process, f"http://127.0.0.1:{port}", state_dir)
-    try:
-        deadline = time.monotonic() + 50
-        while not running.ready.wait(0.2):
-            assert process.poll() is None, f"lig up exited early:\n{running.output()}"
-            assert time.monotonic() < deadline, f"lig up not ready in 50s:\n{running.output()}"
+    with lig_up(state_dir, "--sim-args", "--max-num-seqs 2") as running:
         yield running
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 class Snapshots:
@@ -327,6 +270,7 @@ def test_sigterm_stops_every_child_and_frees_every_port(stack: RunningStack) -> 
     stack.process.send_signal(signal.SIGTERM)
     code = stack.process.wait(10)
     elapsed = time.monotonic() - started
+    stack.read_to_end()  # the reader thread may still hold the last lines
 
     assert code == 0, stack.output()
     assert elapsed < 5, f"stopping took {elapsed:.1f}s"

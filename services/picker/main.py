@@ -346,7 +346,9 @@ class _NatsLink:
         self.sink = SnapshotSink(
             pool, pods,
             on_undecodable=metrics.undecodable.labels("metrics").inc,
-            on_out_of_order=metrics.out_of_order.inc)
+            on_out_of_order=metrics.out_of_order.inc,
+            on_wrong_address=metrics.wrong_address.inc,
+            on_received=metrics.snapshots.inc)
 
     @property
     def connected(self) -> bool:

@@ -2,7 +2,7 @@
 
 nats-py re-subscribes by itself after a reconnect, so this subscription needs no resync.
 Undecodable payloads (wrong schema version, garbage, another pool's snapshot) are counted and
-skipped, never raised.
+skipped, never raised; so are snapshots whose address is not the registered endpoint's.
 """
 
 from __future__ import annotations
@@ -27,15 +27,21 @@ class SnapshotSink:
 
     def __init__(self, pool: str, table: PodTable,
                  on_undecodable: Callable[[], None] = lambda: None,
-                 on_out_of_order: Callable[[], None] = lambda: None) -> None:
+                 on_out_of_order: Callable[[], None] = lambda: None,
+                 on_wrong_address: Callable[[], None] = lambda: None,
+                 on_received: Callable[[], None] = lambda: None) -> None:
         self.pool = pool
         self.table = table
         self._on_undecodable = on_undecodable
         self._on_out_of_order = on_out_of_order
+        self._on_wrong_address = on_wrong_address
+        self._on_received = on_received
+        self._wrong_address = RateLimitedLog(log)
         self._bad = RateLimitedLog(log)
 
     def accept(self, subject: str, data: bytes) -> None:
         """Apply one payload received on ``subject``; count and skip it when it is bad."""
+        self._on_received()
         try:
             snapshot = decode(data, PodMetrics)
         except DecodeError as exc:
@@ -43,6 +49,12 @@ class SnapshotSink:
             return
         if snapshot.pool != self.pool:
             self._skip(subject, f"snapshot of pool {snapshot.pool!r}")
+            return
+        if not self.table.address_matches(snapshot):
+            self._on_wrong_address()
+            self._wrong_address.warning(
+                "dropping snapshot on %s: pod %r is registered at another address than %r",
+                subject, snapshot.pod, snapshot.address)
             return
         if not self.table.apply(snapshot):
             self._on_out_of_order()

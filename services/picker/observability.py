@@ -44,6 +44,12 @@ class PickerMetrics:
         self.out_of_order = Counter(
             "lig_picker_out_of_order_snapshots", "Metric snapshots dropped because a newer one "
             "had already arrived", registry=registry)
+        self.snapshots = Counter(
+            "lig_picker_snapshots_received", "Metric snapshots received from NATS, before any "
+            "check (the ingest rate)", registry=registry)
+        self.wrong_address = Counter(
+            "lig_picker_wrong_address_snapshots", "Metric snapshots dropped because their "
+            "address is not the registered endpoint's", registry=registry)
         self.pods = Gauge(
             "lig_picker_pods", "Member pods of the pool by metrics freshness", ["state"],
             registry=registry, multiprocess_mode="livemax")

@@ -73,10 +73,12 @@ class PodTable:
         return self._endpoint_list
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
-        """Replace the members; snapshots of pods no longer members are forgotten."""
+        """Replace the members; snapshots of pods no longer members are forgotten, and so are
+        snapshots whose address is not the member's (see :meth:`address_matches`)."""
         self._endpoint_list = tuple(endpoints)
         self._endpoints = {endpoint.name: endpoint for endpoint in self._endpoint_list}
-        for name in [name for name in self._entries if name not in self._endpoints]:
+        for name in [name for name, entry in self._entries.items()
+                     if not self.address_matches(entry.snapshot, member_only=True)]:
             del self._entries[name]
         self.gray.forget(set(self._endpoints))
         # A snapshot that arrived before the registry named its pod has no view yet.
@@ -84,6 +86,18 @@ class PodTable:
             entry.view = _view(entry.snapshot, self._endpoints[name])
 
     # --- snapshots -----------------------------------------------------------------------
+
+    def address_matches(self, snapshot: PodMetrics, member_only: bool = False) -> bool:
+        """False when the registry lists ``snapshot``'s pod at another address.
+
+        Snapshots are not trusted to say where a pod is: the registry is. A snapshot about some
+        other address (a stale collector, a pod that moved, a forged message) must not describe
+        the registered pod. With ``member_only`` a pod the registry does not list fails too.
+        """
+        endpoint = self._endpoints.get(snapshot.pod)
+        if endpoint is None:
+            return not member_only
+        return snapshot.address == endpoint.hostport
 
     def apply(self, snapshot: PodMetrics) -> bool:
         """Keep ``snapshot`` if it is newer than what we have; False when dropped as older.

@@ -12,8 +12,10 @@ Upstream field names are used wherever upstream has the field:
     (explicit members; ``port`` defaults to ``targetPortNumber``; ``address`` must be an IP because
     Envoy's original-destination cluster cannot resolve names), ``metrics: {path, port}`` (where
     the collector scrapes; defaults ``/metrics`` on the serving port), ``scheduling: {policy,
-    params}`` (default ``filter-tree`` with its default thresholds) and ``rejectUnknownModels``
-    (default false: unknown model names pass through unchanged).
+    params}`` (default ``filter-tree`` with its default thresholds), ``rejectUnknownModels``
+    (default false: unknown model names pass through unchanged) and ``allowedNetworks`` (CIDRs
+    the endpoint addresses must lie in; default the private ranges, see
+    :mod:`services.registry.networks`).
 
 ``InferenceModel.spec``
     ``modelName`` (required), ``criticality`` (``Critical`` | ``Standard`` | ``Sheddable``, default
@@ -93,6 +95,7 @@ class InferencePoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     metrics: MetricsSpec = MetricsSpec()
     scheduling: SchedulingSpec = SchedulingSpec()
     reject_unknown_models: bool = False
+    allowed_networks: list[str] | None = None
 
 
 class PoolObject(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):

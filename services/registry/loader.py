@@ -5,8 +5,9 @@ so any source can feed the same validation: today the file source in :mod:`.file
 Kubernetes watch. Checks, in order:
 
 1. each document on its own: a mapping with a supported ``apiVersion`` and a known ``kind``,
-   every field of :mod:`.crd` present and well-typed, endpoint addresses that are IPs, no duplicate
-   endpoints or target models inside the object, a scheduling policy that builds;
+   every field of :mod:`.crd` present and well-typed, endpoint addresses that are IPs inside the
+   pool's allowed networks (:mod:`.networks`), no duplicate endpoints or target models inside
+   the object, a scheduling policy that builds;
 2. across documents, only when every document passed (otherwise a broken pool would also show up as
    "missing pool" noise): unique pool names (KV keys have no namespace, so across namespaces
    too), unique InferenceModel names per namespace, every ``poolRef`` naming a pool of the model's
@@ -29,6 +30,7 @@ import msgspec
 
 from services.picker.scheduling import PolicyConfigError, build_policy
 from services.registry import crd
+from services.registry import networks as networks_module
 from shared.schemas import (
     Criticality,
     Endpoint,
@@ -202,6 +204,7 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
                 f"duplicate endpoint address {hostport[0]}:{hostport[1]}", f"{at}.address"))
         names.add(endpoint.name)
         hostports.add(hostport)
+    problems += _check_networks(document, pool)
     scheduling = pool.spec.scheduling
     try:
         build_policy(PolicyConfig(scheduling.policy, scheduling.params), random.Random())
@@ -234,6 +237,21 @@ def unusable_address(address: str) -> str | None:
     else:
         return None
     return f"{address!r} is {why}; give the pod's own IP address"
+
+
+def _check_networks(document: Document, pool: crd.PoolObject) -> list[Problem]:
+    """Every endpoint inside the pool's allowed networks (:mod:`.networks`)."""
+    listed = pool.spec.allowed_networks
+    networks, bad = networks_module.parse_networks(
+        listed if listed is not None else networks_module.DEFAULT_ALLOWED_NETWORKS)
+    problems = [document.problem(message, f"spec.allowedNetworks[{i}]") for i, message in bad]
+    for i, endpoint in enumerate(pool.spec.endpoints or ()):
+        if unusable_address(endpoint.address) is not None:
+            continue  # already reported by _check_pool
+        reason = networks_module.refusal(endpoint.address, networks, explicit=listed is not None)
+        if reason is not None:
+            problems.append(document.problem(reason, f"spec.endpoints[{i}].address"))
+    return problems
 
 
 def _check_model(document: Document, model: crd.ModelObject) -> list[Problem]:

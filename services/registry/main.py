@@ -25,6 +25,7 @@ from services.registry.publisher import Publisher
 from services.registry.reconciler import Reconciler
 from shared.logs import add_logging_arguments, setup_logging
 from shared.nats_connection import add_nats_arguments, connect, settings_from_args
+from shared.replication import warn_about_replication
 from shared.service import cancel_and_wait, finish_within, run_service
 from shared.subjects import Subjects
 
@@ -122,11 +123,12 @@ async def _publish_forever(
         reconciler.request_resync()
 
     nc = await connect(settings, "lig-registry", on_reconnect=on_reconnect)
+    warn_about_replication(nc, settings.replicas, "registry")
     try:
         bucket = Subjects(settings.prefix).registry_bucket
         metrics_at = f"http://{args.host}:{metrics_port}/metrics" if metrics_port else "disabled"
         log.info("ready: watching %s, publishing to KV bucket %s at %s; metrics %s",
                  ", ".join(reconciler.paths), bucket, settings.url, metrics_at)
-        await reconciler.run(Publisher(nc.jetstream(), bucket))
+        await reconciler.run(Publisher(nc.jetstream(), bucket, settings.replicas))
     finally:
         await finish_within(nc.close(), 1.0)

@@ -7,7 +7,8 @@ managed keys no longer desired. Writes are idempotent, so several registry insta
 inputs converge on the same bucket without rewriting it. Puts go pools first and models last,
 deletes the other way round, so a watcher never sees a model whose pool is missing. A pass that
 would remove every pool, or every endpoint of a pool, is refused before anything is written
-(:mod:`.guard`) unless the caller allows it.
+(:mod:`.guard`) unless the caller allows it. The bucket is kept at the configured number of
+replicas (:mod:`shared.replication`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from services.registry.guard import Refusal, removal_refusal
 from services.registry.loader import Registry
+from shared.logs import RateLimitedLog
+from shared.replication import align_replicas
 from shared.schemas import encode
 from shared.subjects import endpoints_key, model_key, pool_key
 
@@ -86,12 +89,16 @@ class RemovalRefused(Exception):
 
 
 class Publisher:
-    """Publishes desired registries into one bucket, creating the bucket when it is missing."""
+    """Publishes desired registries into one bucket, creating the bucket when it is missing and
+    keeping it at ``replicas`` copies."""
 
-    def __init__(self, js: JetStreamContext, bucket: str, concurrency: int = CONCURRENCY) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, replicas: int = 1,
+                 concurrency: int = CONCURRENCY) -> None:
         self._js = js
         self._bucket = bucket
+        self._replicas = replicas
         self._concurrency = concurrency
+        self._replica_errors = RateLimitedLog(log, interval=60.0)
 
     async def publish(self, registry: Registry, *, allow_empty: bool = False) -> Plan:
         """Make the bucket equal to ``registry``; return what was written.
@@ -117,19 +124,38 @@ class Publisher:
     async def _open_bucket(self) -> KeyValue:
         # Looked up on every pass: after a NATS restart with a fresh store the bucket is gone.
         try:
-            return await self._js.key_value(self._bucket)
+            kv = await self._js.key_value(self._bucket)
         except BucketNotFoundError:
             pass
+        else:
+            await self._align_replicas()
+            return kv
         config = KeyValueConfig(
-            bucket=self._bucket, history=HISTORY, description="lig: pools, models, endpoints"
+            bucket=self._bucket, history=HISTORY, description="lig: pools, models, endpoints",
+            replicas=self._replicas,
         )
         try:
             kv = await self._js.create_key_value(config)
-        except BadRequestError:
-            # Another instance created it first, perhaps with other settings: use theirs.
-            return await self._js.key_value(self._bucket)
-        log.info("created KV bucket %s (history %d)", self._bucket, HISTORY)
+        except BadRequestError as refused:
+            # Another instance created it first, perhaps with other settings: use theirs. If it
+            # does not exist, the server's reason (e.g. "no suitable peers for placement" for
+            # more replicas than the cluster can place) is the error worth reporting.
+            try:
+                return await self._js.key_value(self._bucket)
+            except BucketNotFoundError:
+                raise refused from None
+        log.info("created KV bucket %s (history %d, %d replicas)", self._bucket, HISTORY,
+                 self._replicas)
         return kv
+
+    async def _align_replicas(self) -> None:
+        # A count the cluster cannot place must not stop publishing: the bucket keeps its count.
+        try:
+            await align_replicas(self._js, KV_STREAM_TEMPLATE.format(bucket=self._bucket),
+                                 self._replicas)
+        except APIError as exc:
+            self._replica_errors.warning("KV bucket %s: cannot change to %d replicas: %s",
+                                         self._bucket, self._replicas, exc)
 
 
 async def read_bucket(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import free_port, wait_for_port
+from tests.support.processes import die_with_parent
 
 
 def nats_server_binary() -> str:
@@ -27,21 +28,33 @@ def nats_server_binary() -> str:
 class NatsServer:
     """One nats-server process on a fixed loopback port; restartable with its JetStream store."""
 
-    def __init__(self, store_dir: Path, port: int | None = None) -> None:
+    def __init__(self, store_dir: Path, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self.store_dir = store_dir
+        self.extra_args = extra_args  # e.g. ("-c", "server.conf")
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (for CPU accounting in benchmarks)."""
+        assert self._process is not None
+        return self._process.pid
+
+    def command(self) -> list[str]:
+        """The nats-server command line (subclasses add their flags)."""
+        return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+                "-sd", str(self.store_dir), *self.extra_args]
+
     def start(self) -> None:
+        """Start the server and wait until its client port accepts connections."""
         self._process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(self.store_dir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
         )
         wait_for_port(self.port)
 

@@ -1,0 +1,82 @@
+"""How many copies of JetStream state (the registry bucket, the recording stream) the cluster
+keeps, and keeping existing streams at that count.
+
+One setting for every service (``--nats-replicas``, env ``LIG_NATS_REPLICAS``, default 1).
+A KV bucket is the stream ``KV_<bucket>``, so buckets and streams are aligned the same way:
+a JetStream stream update with the new ``num_replicas`` (the server adds or removes peers and
+copies the data). R1 on a cluster works but loses the state with the node holding it, so the
+services say so loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+log = logging.getLogger("lig.nats")
+
+MAX_REPLICAS = 5  # JetStream's own limit
+
+
+def replica_count(text: str) -> int:
+    """argparse type of ``--nats-replicas``: an integer JetStream accepts (1..5)."""
+    try:
+        replicas = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_REPLICAS}, not {replicas}")
+    return replicas
+
+
+def cluster_size(server_info: dict[str, Any]) -> int:
+    """How many servers the connected server says its cluster has (1 when not clustered).
+
+    A clustered server names its cluster in INFO and lists every member's client URL, its own
+    included, in ``connect_urls``.
+    """
+    if not server_info.get("cluster"):
+        return 1
+    return max(1, len(server_info.get("connect_urls") or ()))
+
+
+def replication_warning(server_info: dict[str, Any], replicas: int) -> str | None:
+    """The warning to log when ``replicas`` cannot survive the loss of a node, else None."""
+    size = cluster_size(server_info)
+    if size > 1 and replicas == 1:
+        return (f"NATS cluster {server_info.get('cluster')!r} has {size} servers but JetStream "
+                "state is kept with 1 replica: losing the node that holds it loses the registry "
+                "and the recording; set --nats-replicas 3 (env LIG_NATS_REPLICAS)")
+    if replicas > size:
+        return (f"--nats-replicas {replicas} but the connected NATS reports {size} server(s): "
+                "creating or updating streams will fail until the cluster is that large")
+    return None
+
+
+def warn_about_replication(nc: Client, replicas: int, service: str) -> None:
+    """Log :func:`replication_warning` for the connected server, if any."""
+    # nats-py keeps the server's INFO only in this attribute (no public accessor).
+    warning = replication_warning(dict(nc._server_info), replicas)
+    if warning:
+        log.warning("%s: %s", service, warning)
+
+
+async def align_replicas(js: JetStreamContext, stream: str, replicas: int) -> bool:
+    """Give an existing stream ``replicas`` copies; True when it had to be updated.
+
+    Raises the server's error (e.g. "no suitable peers for placement" when the cluster is smaller
+    than ``replicas``); the stream then keeps its old count.
+    """
+    info = await js.stream_info(stream)
+    config = info.config
+    if (config.num_replicas or 1) == replicas:
+        return False
+    before = config.num_replicas or 1
+    config.num_replicas = replicas
+    await js.update_stream(config)
+    log.info("stream %s: replicas %d -> %d", stream, before, replicas)
+    return True

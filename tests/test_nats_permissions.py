@@ -1,0 +1,318 @@
+"""Least privilege on a real nats-server configured with what ``lig nats-config`` writes: each
+service's credentials can do its job and nothing that would let it steer traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from lig.nats_config import write_config
+from services.registry.files import FileSnapshot, SourceFile, load
+from services.registry.publisher import Publisher, read_bucket
+from shared.schemas import PodMetrics, encode
+from shared.subjects import Subjects
+from tests.support.nats_server import NatsServer, nats_server_binary
+from tests.support.picker import PickerProcess
+from tests.support.processes import die_with_parent
+from tests.support.registry_yaml import dump, model, pool
+from tests.support.simulator import SimulatedPods
+from tests.support.waiting import eventually
+
+SUBJECTS = Subjects()
+REPLAY = Subjects("lig-replay")
+SERVICES = ("registry", "collector", "picker", "status", "replay")
+# JetStream request timeout where a denied request is expected: it gets no answer and times out.
+# The same contexts also make allowed requests, so not too short for a busy machine.
+DENIED_S = 3.0
+
+
+class SecuredNats:
+    """A nats-server with the generated authorization, and the services' credentials."""
+
+    def __init__(self, server: NatsServer, config_dir: Path) -> None:
+        self.server = server
+        self.config_dir = config_dir
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def credentials(self, service: str) -> dict[str, str]:
+        lines = (self.config_dir / f"{service}.env").read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines if line)
+
+    def flags(self, service: str) -> list[str]:
+        creds = self.credentials(service)
+        return ["--nats-user", creds["LIG_NATS_USER"], "--nats-password",
+                creds["LIG_NATS_PASSWORD"]]
+
+    async def connect(self, service: str, errors: list[str] | None = None) -> Client:
+        """A connection as ``service``; server errors (permission violations) go to ``errors``."""
+        creds = self.credentials(service)
+
+        async def error_cb(exc: Exception) -> None:
+            if errors is not None:
+                errors.append(str(exc))
+
+        return await nats.connect(self.url, user=creds["LIG_NATS_USER"],
+                                  password=creds["LIG_NATS_PASSWORD"], error_cb=error_cb,
+                                  allow_reconnect=False)
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[SecuredNats]:
+    config_dir = tmp_path / "nats-config"
+    write_config(config_dir, SUBJECTS, REPLAY)
+    server_conf = config_dir / "server.conf"
+    server_conf.write_text("include auth.conf\n")
+    server = NatsServer(tmp_path / "js", extra_args=("-c", str(server_conf)))
+    server.start()
+    try:
+        yield SecuredNats(server, config_dir)
+    finally:
+        server.stop()
+
+
+def snapshot(pod: str = "pod-0", address: str = "10.0.0.1:8000") -> PodMetrics:
+    return PodMetrics(pool="pool-a", pod=pod, address=address, seq=1,
+                      scrape_time_ns=time.time_ns(), scrape_duration_s=0.001, ok=True)
+
+
+REGISTRY_TEXT = dump(pool(), model())
+
+
+async def publish_registry(secured: SecuredNats) -> None:
+    nc = await secured.connect("registry")
+    try:
+        await Publisher(nc.jetstream(), SUBJECTS.registry_bucket).publish(
+            load(FileSnapshot((SourceFile("r.yaml", REGISTRY_TEXT),))))
+    finally:
+        await nc.close()
+
+
+async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: str,
+                payload: bytes, expect: bool = False) -> list[bytes]:
+    """What the status user (allowed to read every snapshot) hears on ``subject`` when
+    ``sender`` publishes ``payload`` on ``publish_to``.
+
+    Both connections are flushed: once the sender's PING is answered the server has routed the
+    message, and once the listener's is, the listener has received it; its callback runs in a
+    task of its own, so an ``expect``ed message is waited for (up to 5 s on a busy machine).
+    """
+    listener = await secured.connect("status")
+    got: list[bytes] = []
+
+    async def keep(msg: object) -> None:
+        got.append(msg.data)  # type: ignore[attr-defined]
+
+    try:
+        await listener.subscribe(subject, cb=keep)
+        await listener.flush()
+        await sender.publish(publish_to, payload)
+        await sender.flush()
+        await listener.flush()
+        if expect:
+            await eventually(lambda: bool(got), within=5, what=f"a message on {subject}")
+        else:
+            await asyncio.sleep(0.3)  # a message that did arrive would be handled by now
+    finally:
+        await listener.close()
+    return got
+
+
+async def recorded_messages(nc: Client) -> int:
+    """Messages in the recording stream (0 while it does not exist or does not answer)."""
+    try:
+        return (await nc.jetstream(timeout=2).stream_info(SUBJECTS.metrics_stream)).state.messages
+    except (nats.errors.Error, TimeoutError):
+        return 0
+
+
+def start_service(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``lig ARGV`` logging into ``log_path``."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "lig.cli", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+
+def status_until_fresh(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``lig status ARGV``, asked again for up to 10 s until every pod is fresh (exit 0): on this
+    busy machine a scrape may time out and show its pod as failing until the next one."""
+    deadline = time.monotonic() + 10
+    while True:
+        result = subprocess.run([sys.executable, "-m", "lig.cli", "status", *argv],
+                                capture_output=True, text=True, timeout=30)
+        if result.returncode == 0 or time.monotonic() > deadline:
+            return result
+
+
+def test_generated_config_is_valid_and_private(tmp_path: Path) -> None:
+    users = write_config(tmp_path, SUBJECTS, REPLAY)
+    assert [user.user for user in users] == [f"lig-{name}" for name in SERVICES]
+    assert len({user.password for user in users}) == len(users)
+    for name in ("auth.conf", *(f"{service}.env" for service in SERVICES)):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    (tmp_path / "server.conf").write_text("include auth.conf\n")
+    checked = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "server.conf")],
+                             capture_output=True, text=True, timeout=10)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # Running it again keeps the passwords (the server and the services stay in step).
+    again = write_config(tmp_path, SUBJECTS, REPLAY)
+    assert [u.password for u in again] == [u.password for u in users]
+
+
+def test_command_writes_the_files(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lig.cli", "nats-config", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "auth.conf").exists() and "include auth.conf" in result.stdout
+    same = subprocess.run(
+        [sys.executable, "-m", "lig.cli", "nats-config", "--out", str(tmp_path / "x"),
+         "--replay-prefix", "lig"], capture_output=True, text=True, timeout=30)
+    assert same.returncode == 2
+    (tmp_path / "a-file").write_text("")
+    blocked = subprocess.run(
+        [sys.executable, "-m", "lig.cli", "nats-config", "--out", str(tmp_path / "a-file")],
+        capture_output=True, text=True, timeout=30)
+    assert blocked.returncode == 2 and "cannot write into" in blocked.stderr, blocked.stderr
+
+
+async def test_a_picker_cannot_publish_a_snapshot_or_write_the_registry(
+    secured: SecuredNats,
+) -> None:
+    await publish_registry(secured)
+    errors: list[str] = []
+    picker = await secured.connect("picker", errors)
+    try:
+        fake = encode(snapshot())
+        got = await heard(secured, SUBJECTS.all_metrics(), picker,
+                          SUBJECTS.metrics("pool-a", "pod-0"), fake)
+        assert got == []
+        await eventually(lambda: any("permissions violation for publish" in e.lower()
+                                     for e in errors),
+                         within=5, what="a permission violation reported to the picker")
+
+        kv = await picker.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
+        before = (await kv.get("endpoints.pool-a")).value
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await kv.put("endpoints.pool-a", b"poisoned")
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await picker.jetstream(timeout=DENIED_S).delete_key_value(SUBJECTS.registry_bucket)
+        assert (await kv.get("endpoints.pool-a")).value == before
+
+        # What a picker may do: read the registry, hear snapshots, publish decisions.
+        assert sorted(await read_bucket(picker.jetstream(), SUBJECTS.registry_bucket)) == [
+            "endpoints.pool-a", "model.pool-a.model-a", "pool.pool-a"]
+        await picker.subscribe("lig.decisions.>")
+        await picker.publish("lig.decisions.pool-a", b"x")
+        await picker.flush()
+    finally:
+        await picker.close()
+    assert all("decisions" not in e for e in errors), errors
+
+
+async def test_a_collector_cannot_write_the_registry(secured: SecuredNats) -> None:
+    await publish_registry(secured)
+    errors: list[str] = []
+    collector = await secured.connect("collector", errors)
+    try:
+        kv = await collector.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await kv.put("endpoints.pool-a", b"poisoned")
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await collector.jetstream(timeout=DENIED_S).update_stream(
+                (await collector.jetstream().stream_info(f"KV_{SUBJECTS.registry_bucket}")).config)
+        # It may publish snapshots (that is its job).
+        got = await heard(secured, SUBJECTS.all_metrics(), collector,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()), expect=True)
+        assert len(got) == 1
+    finally:
+        await collector.close()
+    assert any("permissions violation for publish to \"$kv.lig-registry" in e.lower()
+               for e in errors), errors
+
+
+async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
+    secured: SecuredNats,
+) -> None:
+    await publish_registry(secured)
+    status = await secured.connect("status", [])
+    replay = await secured.connect("replay", [])
+    try:
+        assert await read_bucket(status.jetstream(), SUBJECTS.registry_bucket)
+        kv = await status.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await kv.put("pool.pool-a", b"x")
+        got = await heard(secured, SUBJECTS.all_metrics(), status,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
+        assert got == []
+
+        # Replay: a bucket and snapshots of its own, nothing under the production prefix.
+        own = await replay.jetstream().create_key_value(bucket=REPLAY.registry_bucket)
+        await own.put("pool.x", b"x")
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await replay.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
+        got = await heard(secured, SUBJECTS.all_metrics(), replay,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
+        assert got == []
+    finally:
+        await status.close()
+        await replay.close()
+
+
+async def test_every_service_works_with_its_own_credentials(
+    secured: SecuredNats, tmp_path: Path, simulated_pods: Callable[..., SimulatedPods]
+) -> None:
+    pods = simulated_pods(2)
+    registry_file = tmp_path / "pool.yaml"
+    pool_doc = pool(endpoints=0, allowedNetworks=["127.0.0.0/8"])
+    pool_doc["spec"]["endpoints"] = [
+        {"name": f"pod-{i}", "address": "127.0.0.1", "port": port}
+        for i, port in enumerate(pods.ports)]
+    registry_file.write_text(dump(pool_doc, model(pods.model)))
+    logs = {name: tmp_path / f"{name}.log" for name in ("registry", "collector")}
+    processes = []
+    try:
+        for name, argv in (
+            ("registry", ["registry", str(registry_file), "--metrics-port", "0"]),
+            ("collector", ["collector", "--metrics-port", "0", "--collector-id", "c1"]),
+        ):
+            processes.append(start_service([*argv, "--nats-url", secured.url,
+                                            *secured.flags(name)], logs[name]))
+        picker = PickerProcess("pool-a", secured.url, tmp_path,
+                               extra_args=tuple(secured.flags("picker"))).start()
+        try:
+            # Four Python services start at once here; on a busy machine that takes a while.
+            picker.wait_ready(timeout=60)
+            status = await secured.connect("status")
+            try:
+                # The collector creates the recording stream beside its first scrapes.
+                deadline = time.monotonic() + 15
+                while not await recorded_messages(status):
+                    assert time.monotonic() < deadline, "nothing recorded in 15 s"
+                    await asyncio.sleep(0.2)
+            finally:
+                await status.close()
+            result = await asyncio.to_thread(status_until_fresh, [
+                "--nats-url", secured.url, *secured.flags("status"),
+                "--state-dir", str(tmp_path / "none")])
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "2 pods, 2 fresh" in result.stdout, result.stdout
+        finally:
+            picker.stop()
+        log_text = picker.log() + "".join(path.read_text() for path in logs.values())
+        assert "violation" not in log_text.lower(), log_text[-3000:]
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(10)
