@@ -42,8 +42,8 @@ def test_private_addresses_are_allowed_by_default(address: str) -> None:
     ("::1", "is a loopback address"),
     ("169.254.169.254", "is a link-local address"),  # the cloud metadata service
     ("8.8.8.8", "is outside the default allowed networks"),
-    ("0.0.0.0", "is not a host address"),
-    ("224.0.0.1", "is not a host address"),
+    ("0.0.0.0", "is the unspecified address"),
+    ("224.0.0.1", "is a multicast address"),
 ])
 def test_other_addresses_are_refused_by_default(address: str, why: str) -> None:
     found = problems(pool_at("10.0.0.1", address))

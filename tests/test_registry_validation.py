@@ -488,9 +488,12 @@ def test_unusable_endpoint_address_is_refused(address: str, words: str) -> None:
 
 
 def test_loopback_and_ordinary_addresses_stay_allowed() -> None:
+    # Usable addresses: the pool's allowedNetworks (test_registry_networks.py) still decide.
+    networks = ["127.0.0.0/8", "::1/128", "10.0.0.0/8", "fd00::/8", "169.254.0.0/16"]
     for address in ("127.0.0.1", "::1", "10.1.2.3", "fd00::5", "169.254.1.1"):
-        registry = load(FileSnapshot((SourceFile("p.yaml", dump(
-            with_spec(POOL, "endpoints[0].address", address))),)))
+        pool = with_spec(with_spec(POOL, "endpoints[0].address", address),
+                         "allowedNetworks", networks)
+        registry = load(FileSnapshot((SourceFile("p.yaml", dump(pool)),)))
         assert registry.endpoint_sets[0].endpoints[0].address == address
 
 
