@@ -168,6 +168,7 @@ class StackPlan(msgspec.Struct, frozen=True):
     pool: str
     registry_paths: list[str]
     envoy_config: str
+    registry_endpoints_override: str | None = None  # the simulated pods, for the pool's list
     pods: list[Endpoint] = []
     base_model: str = BASE_MODEL
     adapters: list[str] = []
@@ -199,8 +200,10 @@ class StackPlan(msgspec.Struct, frozen=True):
                 "--base-port", str(self.ports.sim_base), "--model", self.base_model,
                 *lora_flags, "--log-level", self.log_level, *self.sim_args,
             )))
+        override = (["--endpoints-override", self.registry_endpoints_override]
+                    if self.registry_endpoints_override else [])
         specs.append(ChildSpec("registry", self.lig(
-            "registry", *self.registry_paths, "--host", LOOPBACK,
+            "registry", *self.registry_paths, *override, "--host", LOOPBACK,
             "--metrics-port", str(self.ports.registry_metrics), *self.nats_flags(),
         )))
         specs.append(ChildSpec("collector", self.lig(

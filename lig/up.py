@@ -43,6 +43,7 @@ from shared.service import run_service
 EXIT_FAILED = 1
 EXIT_BAD_USAGE = 2
 STOP_TIMEOUT = 4.0  # SIGTERM, then SIGKILL: everything is gone within 5 s of Ctrl-C
+ENDPOINTS_OVERRIDE_FILE = "registry-endpoints.yaml"  # in the state folder
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -117,15 +118,14 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
              else default_ports(args.pickers, args.port))
     state_dir.mkdir(parents=True, exist_ok=True)
 
-    registry_path = config_path
+    override = None
     pods = []
     if simulate:
         pods = local_registry.simulated_endpoints(registry, pool, args.pods, ports.sim_base,
                                                   LOOPBACK)
         if not local_registry.same_members(pods, local_registry.pool_endpoints(registry, pool)):
-            registry_path = local_registry.write_simulated_config(
-                config_path, pool, pods, state_dir / "registry")
-            registry = local_registry.load_config(registry_path)
+            override = str(local_registry.write_endpoints_override(
+                config_path, pool, pods, state_dir / ENDPOINTS_OVERRIDE_FILE))
     elif not local_registry.pool_endpoints(registry, pool):
         raise local_registry.ConfigError(
             f"pool {pool!r} in {config_path} lists no endpoints; `lig up` needs them listed "
@@ -136,7 +136,8 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     plan = StackPlan(
         state_dir=str(state_dir), ports=ports,
         nats_url=f"nats://{LOOPBACK}:{ports.nats}" if embedded else args.nats_url,
-        embedded_nats=embedded, pool=pool, registry_paths=[str(registry_path)],
+        embedded_nats=embedded, pool=pool, registry_paths=[str(config_path)],
+        registry_endpoints_override=override,
         envoy_config=str(envoy_config), pods=pods, base_model=BASE_MODEL,
         adapters=local_registry.simulated_adapters(registry, pool, BASE_MODEL) if simulate
         else [],
@@ -216,8 +217,10 @@ def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed
                                           f"{Path(plan.state_dir) / 'nats'})"
                                           if plan.embedded_nats else "  (yours)"),
                  pids.get("nats")))
-    rows.append(("registry", f"{', '.join(plan.registry_paths)}  (metrics :"
-                             f"{ports.registry_metrics})", pids.get("registry")))
+    pods_from = (f"; pool endpoints from {plan.registry_endpoints_override}"
+                 if plan.registry_endpoints_override else "")
+    rows.append(("registry", f"{', '.join(plan.registry_paths)}  (edits are live{pods_from}; "
+                             f"metrics :{ports.registry_metrics})", pids.get("registry")))
     rows.append(("collector", f"scrapes every pod of {plan.pool}  (metrics :"
                               f"{ports.collector_metrics})", pids.get("collector")))
     for i, picker in enumerate(ports.pickers):

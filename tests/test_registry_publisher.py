@@ -10,8 +10,16 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from services.registry.files import FileSnapshot, SourceFile, load
+from services.registry.guard import removal_refusal
 from services.registry.loader import Registry
-from services.registry.publisher import HISTORY, Publisher, desired_entries, plan, read_bucket
+from services.registry.publisher import (
+    HISTORY,
+    Publisher,
+    RemovalRefused,
+    desired_entries,
+    plan,
+    read_bucket,
+)
 from shared.schemas import EndpointSet, InferenceModel, InferencePool, decode
 from shared.subjects import Subjects
 from tests.support.registry_yaml import dump, model, pool
@@ -108,3 +116,66 @@ async def test_keys_outside_the_registry_families_are_left_alone(nc: Client) -> 
     contents = await bucket_contents(nc)
     assert contents["notes.owner"][0] == b"team-a"
     assert "pool.pool-a" in contents
+
+
+def entries_of(*documents: dict) -> dict[str, bytes]:
+    return desired_entries(registry_of(*documents))
+
+
+# (case id, bucket now, input, refusal reason or None)
+GUARD_CASES = [
+    ("empty input over pools", (pool(), model()), (), "no_pools"),
+    ("empty input over an empty bucket", (), (), None),
+    ("one of two pools removed", (pool(), pool("pool-b")), (pool(),), None),
+    ("a pool's endpoints emptied", (pool(), pool("pool-b")), (pool(), pool("pool-b", endpoints=0)),
+     "no_endpoints"),
+    ("a pool's endpoint list removed", (pool(),), (
+        {**pool(), "spec": {k: v for k, v in pool()["spec"].items() if k != "endpoints"}},),
+     "no_endpoints"),
+    ("some endpoints removed", (pool(endpoints=3),), (pool(endpoints=1),), None),
+    ("a pool removed with its endpoints", (pool(), pool("pool-b")), (pool("pool-b"),), None),
+    ("a pool that had no endpoints stays empty", (pool(endpoints=0),), (pool(endpoints=0),), None),
+    ("every model removed", (pool(), model()), (pool(),), None),
+]
+
+
+@pytest.mark.parametrize(("now", "new", "reason"), [case[1:] for case in GUARD_CASES],
+                         ids=[case[0] for case in GUARD_CASES])
+def test_removal_guard_refuses_only_emptying_every_pool_or_a_pools_endpoints(
+    now: tuple[dict, ...], new: tuple[dict, ...], reason: str | None
+) -> None:
+    current = entries_of(*now) if now else {}
+    desired = entries_of(*new) if new else {}
+    refusal = removal_refusal(desired, current)
+    assert (refusal.reason if refusal else None) == reason
+
+
+def test_removal_refusal_names_the_pools_shortly() -> None:
+    current = entries_of(*(pool(f"pool-{i}") for i in range(12)))
+    refusal = removal_refusal({}, current)
+    assert refusal is not None
+    assert "every pool (pool-0, pool-1, pool-10, pool-11, pool-2 and 7 more)" in refusal.message
+    undecodable = {**entries_of(pool()), "endpoints.pool-a": b"\xc1not msgpack"}
+    assert removal_refusal(entries_of(pool(endpoints=0)), undecodable) is None
+
+
+async def test_publish_that_would_empty_the_registry_writes_nothing_unless_allowed(
+    nc: Client,
+) -> None:
+    publisher = Publisher(nc.jetstream(), BUCKET)
+    await publisher.publish(registry_of(pool(), model()))
+    before = await bucket_contents(nc)
+
+    with pytest.raises(RemovalRefused) as refused:
+        await publisher.publish(Registry())
+    assert refused.value.refusal.reason == "no_pools"
+    with pytest.raises(RemovalRefused) as refused:
+        await publisher.publish(registry_of(pool(endpoints=0), model()))
+    assert refused.value.refusal.reason == "no_endpoints"
+    assert await bucket_contents(nc) == before
+
+    done = await publisher.publish(Registry(), allow_empty=True)
+    assert done.deletes == ("model.pool-a.model-a", "endpoints.pool-a", "pool.pool-a")
+    assert await bucket_contents(nc) == {}
+    again = await publisher.publish(Registry())  # nothing left to lose: allowed
+    assert (again.puts, again.deletes) == ((), ())

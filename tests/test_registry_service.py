@@ -3,6 +3,7 @@ and ``lig registry`` as a real process (SIGHUP, SIGTERM, --check, metrics)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,11 +21,13 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 
+from lig import up
+from lig.topology import EXAMPLE_CONFIG
 from services.registry.metrics import RegistryMetrics
 from services.registry.publisher import Publisher, read_bucket
 from services.registry.reconciler import Reconciler
 from shared.nats_connection import NatsSettings, connect
-from shared.schemas import InferenceModel, decode
+from shared.schemas import EndpointSet, InferenceModel, decode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer
 from tests.support.ports import free_port
@@ -66,7 +69,7 @@ def criticality(contents: dict[str, bytes], key: str = "model.pool-a.model-a") -
 class Running:
     """A Reconciler publishing ``inputs`` over its own connection, run as a task."""
 
-    def __init__(self, inputs: Path, nats_url: str, **options: float) -> None:
+    def __init__(self, inputs: Path, nats_url: str, **options: float | bool) -> None:
         self.inputs = inputs
         self.url = nats_url
         self.metrics = RegistryMetrics()
@@ -92,6 +95,17 @@ class Running:
 
     def sample(self, name: str, **labels: str) -> float | None:
         return self.metrics.registry.get_sample_value(name, labels)
+
+
+@contextlib.asynccontextmanager
+async def serving(inputs: Path, nats_url: str, **options: float | bool) -> AsyncIterator[Running]:
+    """A started :class:`Running`, stopped on leaving."""
+    service = Running(inputs, nats_url, **options)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
 
 
 @pytest.fixture
@@ -224,6 +238,80 @@ async def test_nats_restarted_with_an_empty_store_gets_the_state_again(
         await client.close()
 
 
+async def test_emptied_file_folder_or_endpoints_are_refused_and_the_state_stays(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    (folder / "pool.yaml").write_text(dump(pool()))
+    (folder / "models.yaml").write_text(dump(model(), model("model-b")))
+    caplog.set_level(logging.INFO, logger="lig.registry")
+    async with serving(folder, nats_server.url, resync_interval=0.3) as service:
+        await poll_until(lambda: _has_keys(nc, 4))
+        good = await bucket(nc)
+
+        async def refused(reason: str, count: int) -> bool:
+            return service.sample("lig_registry_refused_total", reason=reason) == count
+
+        await write(folder / "pool.yaml", "")  # truncated by an editor: models lose their pool
+        await write(folder / "models.yaml", "")
+        await poll_until(lambda: refused("no_pools", 1))
+        assert "REFUSED to publish: the inputs define no pools" in caplog.text
+        assert "would delete every pool (pool-a)" in caplog.text
+        assert "--allow-empty" in caplog.text
+        assert service.sample("lig_registry_input_valid") == 0
+        assert service.sample("lig_registry_objects", kind="pool") == 1  # what stays published
+
+        (folder / "pool.yaml").unlink()
+        (folder / "models.yaml").unlink()  # an empty folder: refused the same way
+        await poll_until(lambda: refused("no_pools", 2))
+
+        await write(folder / "all.yaml", dump(pool(endpoints=0), model()))
+        await poll_until(lambda: refused("no_endpoints", 1))
+        assert "list no endpoints for pool(s) that have some now (pool-a)" in caplog.text
+
+        # The kept state is the desired one: a wiped key comes back with the good value.
+        await (await nc.jetstream().key_value(BUCKET)).delete("endpoints.pool-a")
+        await poll_until(async_check(nc, lambda c: c == good))
+        assert service.sample("lig_registry_kv_writes_total", op="delete") == 0
+
+        await write(folder / "all.yaml", dump(pool(endpoints=1), model()))  # a real edit
+        await poll_until(async_check(nc, lambda c: "model.pool-a.model-b" not in c
+                                     and c["endpoints.pool-a"] != good["endpoints.pool-a"]))
+        assert service.sample("lig_registry_input_valid") == 1
+
+
+async def test_first_start_on_an_empty_folder_keeps_an_earlier_state_and_allow_empty_wipes(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    caplog.set_level(logging.INFO, logger="lig.registry")
+    # Nothing published yet anywhere: an empty folder is simply nothing to publish.
+    async with serving(empty, nats_server.url) as fresh:
+        await poll_until(lambda: _sample_is(fresh, "lig_registry_publishes_total", 1,
+                                            outcome="ok"))
+        assert "the inputs define no pools" in caplog.text and "REFUSED" not in caplog.text
+
+    earlier = tmp_path / "earlier.yaml"
+    await write(earlier, dump(pool(), model()))
+    async with serving(earlier, nats_server.url):
+        await poll_until(lambda: _has_keys(nc, 3))
+    published = await bucket(nc)
+
+    # A restart on an emptied ConfigMap.
+    async with serving(empty, nats_server.url, resync_interval=0.2) as restarted:
+        await poll_until(lambda: _sample_is(restarted, "lig_registry_refused_total", 1,
+                                            reason="no_pools"))
+        assert "nothing published; the bucket keeps what it holds" in caplog.text
+        await asyncio.sleep(0.5)  # resyncs come and go
+        assert await bucket(nc) == published
+        assert restarted.sample("lig_registry_refused_total", reason="no_pools") == 1
+
+    async with serving(empty, nats_server.url, allow_empty=True):
+        await poll_until(lambda: _has_keys(nc, 0))
+
+
 def async_check(nc: Client, predicate: Callable[[dict[str, bytes]], bool]
                 ) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
@@ -244,10 +332,19 @@ async def _sample_is(service: Running, name: str, value: float, **labels: str) -
 
 
 def start_lig(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    return spawn(tmp_path, [LIG, "registry", *args])
+
+
+def spawn(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp_path / f"registry-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen([LIG, "registry", *args], stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     return process, log
+
+
+async def metrics_page(port: int) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"http://127.0.0.1:{port}/metrics")).text
 
 
 def stop_within(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, float]:
@@ -281,8 +378,7 @@ async def test_process_reloads_on_sighup_serves_metrics_and_stops_on_sigterm(
         await poll_until(async_check(nc, lambda c: criticality(c) == "Sheddable"
                                      and "model.pool-a.model-b" not in c))
 
-        async with httpx.AsyncClient() as http:
-            page = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        page = await metrics_page(metrics_port)
         assert 'lig_registry_reloads_total{outcome="ok"} 2.0' in page
         assert 'lig_registry_kv_writes_total{op="delete"} 1.0' in page
         assert "lig_registry_last_successful_reload_timestamp_seconds" in page
@@ -312,3 +408,136 @@ def test_check_command_exit_codes(inputs: Path, tmp_path: Path) -> None:
                          text=True, timeout=DEADLINE)
     assert bad.returncode == 2
     assert f"{inputs}:" in bad.stderr and "spec.poolRef.name" in bad.stderr
+
+
+async def test_process_survives_deep_yaml_and_an_emptied_folder_keeping_the_state(
+    nats_server, nc: Client, tmp_path: Path
+) -> None:
+    folder = tmp_path / "registry"
+    folder.mkdir()
+    (folder / "pool.yaml").write_text(dump(pool(), model(), model("model-b")))
+    metrics_port = free_port()
+    process, log = start_lig(
+        tmp_path, str(folder), "--nats-url", nats_server.url, "--host", "127.0.0.1",
+        "--metrics-port", str(metrics_port), "--watch-interval", "0.1")
+    try:
+        await poll_until(lambda: _has_keys(nc, 4))
+        good = await bucket(nc)
+
+        async def logged(text: str) -> bool:
+            assert process.poll() is None, await asyncio.to_thread(log.read_text)
+            return text in await asyncio.to_thread(log.read_text)
+
+        # The 1 KB file of the attack: 500 nested levels.
+        await write(folder / "pool.yaml", "kind: " + "[" * 500 + "]" * 500 + "\n")
+        await poll_until(lambda: logged("nested deeper than 64 levels"))
+        await poll_until(lambda: logged("rejected the inputs (1 problems)"))
+
+        (folder / "pool.yaml").unlink()  # the folder is empty now
+        await poll_until(lambda: logged("REFUSED to publish: the inputs define no pools"))
+        await asyncio.sleep(0.5)  # a few more watch intervals
+        assert process.poll() is None
+        assert await bucket(nc) == good
+        assert "Traceback" not in await asyncio.to_thread(log.read_text)
+
+        page = await metrics_page(metrics_port)
+        assert 'lig_registry_refused_total{reason="no_pools"} 1.0' in page
+        assert 'lig_registry_reloads_total{outcome="invalid"} 1.0' in page
+        assert "lig_registry_input_valid 0.0" in page
+    finally:
+        code, _ = stop_within(process, 2.0)
+    assert code == 0
+
+
+def test_check_command_reports_deep_yaml_in_one_line_without_traceback(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("kind: " + "[" * 500 + "]" * 500 + "\n")
+    result = subprocess.run([LIG, "registry", "--check", str(deep)], capture_output=True,
+                            text=True, timeout=DEADLINE)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"{deep}:1: document 1: kind[0][0][0][0][0][0][0]...: invalid YAML: nested deeper than "
+        "64 levels",
+        "invalid: 1 problem(s); nothing would be published",
+    ]
+
+
+async def test_publishing_thousands_of_models_logs_a_summary_not_every_key(
+    nats_server, nc: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    inputs = tmp_path / "fleet.yaml"
+    inputs.write_text(dump(pool(), *(model(f"model-{i}") for i in range(2000))))
+    caplog.set_level(logging.INFO, logger="lig.registry")
+    async with serving(inputs, nats_server.url):
+        await poll_until(lambda: _has_keys(nc, 2002), within=60.0)
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("published")]
+        assert line == ("published: 2002 put, 0 deleted, 0 unchanged (pool.pool-a, "
+                        "endpoints.pool-a, model.pool-a.model-0, model.pool-a.model-1, "
+                        "model.pool-a.model-2 and 1,997 more)")
+        assert max(len(r.getMessage()) for r in caplog.records) < 300
+
+
+async def test_lig_up_registry_with_free_ports_publishes_the_pods_and_edits_to_the_folder_live(
+    nats_server, nc: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = tmp_path / "local"
+    shutil.copytree(EXAMPLE_CONFIG, example)  # stands for the user's examples/local
+    monkeypatch.setattr(up, "EXAMPLE_CONFIG", example)
+    parser = argparse.ArgumentParser()
+    up.configure(parser)
+    plan, _ = up.make_plan(parser.parse_args([
+        "--free-ports", "--pods", "2", "--nats-url", nats_server.url,
+        "--state-dir", str(tmp_path / "state")]))
+    [spec] = [child for child in plan.children() if child.name == "registry"]
+    process, log = spawn(tmp_path, spec.argv)  # the very command `lig up` runs
+    pool_name = plan.pool
+    sql_lora = f"model.{pool_name}.sql-lora"
+    try:
+        await poll_until(async_check(nc, lambda c: sql_lora in c))
+        endpoints = decode((await bucket(nc))[f"endpoints.{pool_name}"], EndpointSet)
+        assert [e.hostport for e in endpoints.endpoints] == [
+            f"127.0.0.1:{port}" for port in plan.ports.sim_ports(2)]
+        assert criticality(await bucket(nc), sql_lora) == "Sheddable"
+
+        pool_file = example / "pool.yaml"
+        text = pool_file.read_text()
+        await write(pool_file, text.replace("criticality: Sheddable", "criticality: Critical"))
+        await poll_until(async_check(nc, lambda c: criticality(c, sql_lora) == "Critical"))
+        endpoints = decode((await bucket(nc))[f"endpoints.{pool_name}"], EndpointSet)
+        assert [e.port for e in endpoints.endpoints] == plan.ports.sim_ports(2)
+    finally:
+        code, _ = stop_within(process, 2.0)
+    assert code == 0, log.read_text()
+
+
+def test_process_exits_2_on_an_unusable_endpoints_override(inputs: Path, tmp_path: Path) -> None:
+    override = tmp_path / "override.yaml"
+    override.write_text("pool: pool-a\nendpoints: [{name: a, address: 0.0.0.0, port: 1}]\n")
+    result = subprocess.run([LIG, "registry", str(inputs), "--endpoints-override", str(override),
+                             "--nats-url", f"nats://127.0.0.1:{free_port()}"],
+                            capture_output=True, text=True, timeout=DEADLINE)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"lig registry: --endpoints-override {override}: endpoints[0].address: '0.0.0.0' is the "
+        "unspecified address (a listening address meaning any, not a pod's); give the pod's own "
+        "IP address"]
+
+
+async def test_a_loader_bug_is_logged_and_the_previous_state_kept(
+    inputs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reconciler = Reconciler([str(inputs)], RegistryMetrics())
+    await reconciler.check_inputs()
+    good = reconciler.desired
+    assert good is not None
+
+    def broken(snapshot: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr("services.registry.reconciler.load", broken)  # a bug, not bad input
+    await write(inputs, dump(pool(), model(criticality="Critical")))
+    await reconciler.check_inputs()
+    assert reconciler.desired is good
+    assert "could not load the inputs (a registry bug" in caplog.text
+    assert "RecursionError" in caplog.text

@@ -6,14 +6,19 @@ Every invalid input must be rejected with a problem naming the file, the documen
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from services.registry import files
 from services.registry.check import check
-from services.registry.files import FileSnapshot, SourceFile, load, read_files
+from services.registry.files import MAX_FILE_BYTES, FileSnapshot, SourceFile, load, read_files
 from services.registry.loader import InvalidRegistry, Problem
+from services.registry.overrides import OverrideError, apply_override, read_override
 from shared.schemas import Criticality, Endpoint, TargetModel
 from tests.support.registry_yaml import dump, model, pool
 
@@ -45,6 +50,13 @@ def with_spec(document: dict[str, Any], path: str, value: Any) -> dict[str, Any]
 
 
 DELETE = object()
+
+
+@pytest.fixture(params=list(files.LOADERS))
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with each YAML event parser the registry may use (libyaml, Python)."""
+    monkeypatch.setattr(files, "_loader", files.LOADERS[request.param])
+    return request.param
 POOL = pool()
 MODEL = model()
 
@@ -180,7 +192,7 @@ def test_invalid_document_is_rejected_naming_file_document_and_field(
 # (case id, raw YAML text, expected document number, text of the reported line, field, words)
 RAW_TEXT_CASES = [
     ("YAML syntax error", dump(POOL) + "---\nkind: [InferenceModel\nspec: {}\n", 2, "spec: {}",
-     None, "invalid YAML: expected ',' or ']'"),
+     None, "expected ',' or ']'"),
     ("tab indentation", "kind: x\n\tspec: 1\n", 1, "\tspec: 1", None, "invalid YAML"),
     ("duplicate key", dump(POOL).replace("targetPortNumber: 8000",
                                          "targetPortNumber: 8000\n  targetPortNumber: 9000"),
@@ -198,7 +210,8 @@ RAW_TEXT_CASES = [
     ids=[case[0] for case in RAW_TEXT_CASES],
 )
 def test_invalid_yaml_is_rejected_with_its_line(
-    text: str, document: int, line_text: str, field: str | None, words: str
+    text: str, document: int, line_text: str, field: str | None, words: str,
+    parser: str,
 ) -> None:
     problems = problems_of(("a.yaml", text))
     line = text.splitlines().index(line_text) + 1
@@ -334,3 +347,200 @@ def test_check_prints_summary_or_problems_and_exit_code(tmp_path: Path,
     err = capsys.readouterr().err
     assert f"{bad}:" in err and "document 2: spec.targetModels[0].weight" in err
     assert "invalid: 1 problem(s)" in err
+
+
+# --- hostile input: every one is a problem naming its place, never an exception ------------------
+
+def nested_flow(levels: int) -> str:
+    return "kind: " + "[" * levels + "]" * levels + "\n"
+
+
+def nested_block(levels: int) -> str:
+    return "".join("  " * i + "a:\n" for i in range(levels - 1)) + "  " * (levels - 1) + "a: 1\n"
+
+
+def laughs(levels: int, width: int = 9) -> str:
+    """The "billion laughs" document: ``width ** levels`` strings from a few hundred bytes."""
+    items = ", ".join(["lol"] * width)
+    lines = [f"l0: &l0 [{items}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nkind: *l{levels - 1}\n"
+
+
+def merge_chain(length: int, fan: int = 1) -> str:
+    """Mappings each merging the previous one (``<<``), ``fan`` times."""
+    lines = ["m0: &m0 {x: 1}"]
+    lines += [f"m{i}: &m{i} {{<<: [{', '.join([f'*m{i - 1}'] * fan)}], y{i}: 1}}"
+              for i in range(1, length)]
+    return "\n".join(lines) + "\n"
+
+
+# (case id, raw YAML text, document, line, field, words in the message)
+HOSTILE_CASES = [
+    ("500 levels of flow sequences (1 KB)", nested_flow(500), 1, 1,
+     "kind[0][0][0][0][0][0][0]...", "nested deeper than 64 levels"),
+    ("500 levels of block mappings", nested_block(500), 1, 64, "a.a.a.a.a.a.a.a...",
+     "nested deeper than 64 levels"),
+    ("billion laughs", laughs(9), 1, 7, "l6", "more than 1,000,000 values in one document"),
+    ("a chain of 1,000 merge keys", merge_chain(1000), 1, 33, "m32.<<",
+     "nested deeper than 64 levels (aliases expanded)"),
+    ("merge keys doubling 30 times", merge_chain(30, fan=2), 1, 18, "m17.<<",
+     "more than 1,000,000 values"),
+    ("integer of 5,000 digits", dump(with_spec(POOL, "targetPortNumber", 1)).replace(
+        "targetPortNumber: 1", "targetPortNumber: " + "9" * 5000), 1, 8,
+     "spec.targetPortNumber", "cannot read int value: Exceeds the limit (4300 digits)"),
+    ("date in month 13", "kind: 2001-13-45\n", 1, 1, "kind",
+     "cannot read timestamp value: month must be in 1..12"),
+    ("explicit int tag on a word", "apiVersion: !!int abc\n", 1, 1, "apiVersion",
+     "cannot read int value"),
+    ("explicit float tag on a word", "a: {b: !!float abc}\n", 1, 1, "a.b",
+     "cannot read float value"),
+    ("NUL character", "kind: a\x00b\n", None, 1, None, "unacceptable character #x0000"),
+    ("control character on line 3", "a: 1\nb: 2\nc: \x07\n", None, 3, None,
+     "unacceptable character #x0007"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "document", "line", "field", "words"),
+    [case[1:] for case in HOSTILE_CASES],
+    ids=[case[0] for case in HOSTILE_CASES],
+)
+def test_hostile_yaml_is_a_problem_with_its_place_not_an_exception(
+    text: str, document: int | None, line: int, field: str | None, words: str,
+    parser: str,
+) -> None:
+    started = time.monotonic()
+    problems = problems_of(("evil.yaml", text))
+    assert time.monotonic() - started < 2.0  # nothing expanded the aliases
+    assert [(p.source, p.document, p.line, p.field) for p in problems] == [
+        ("evil.yaml", document, line, field)], problems
+    assert words in problems[0].message
+    assert "\n" not in str(problems[0])
+
+
+def test_nesting_and_aliases_within_the_limits_are_accepted(parser: str) -> None:
+    status: dict[str, Any] = {}
+    deep = status
+    for _ in range(58):  # ignored by validation, but parsed: 60 levels in all
+        deep["x"] = deep = {}
+    text = dump({**POOL, "status": status}).replace(
+        "metadata:\n  name: pool-a\n", "metadata:\n  name: pool-a\n  labels: &l {zone: a}\n",
+        1).replace("  selector:\n    app: pool-a\n", "  selector: *l\n", 1)
+    assert text.count("x:") == 58
+    registry = load(FileSnapshot((SourceFile("ok.yaml", text),)))
+    assert registry.pools[0].selector == {"zone": "a"}
+
+
+def test_long_or_strange_values_are_quoted_short_in_problems() -> None:
+    [problem] = problems_of(("k.yaml", "kind: " + "x" * 100_000 + "\n"))
+    assert "unknown kind 'xxx" in problem.message and len(problem.message) < 200
+    [problem] = problems_of(("k.yaml", dump(with_spec(POOL, "endpoints[0].address",
+                                                      "h" * 10_000))))
+    assert problem.field == "spec.endpoints[0].address" and len(problem.message) < 200
+
+
+# Pieces of YAML syntax, tags whose constructors raise, and pathological values.
+FUZZ_PIECES = [
+    *"[]{}:,-&*!<>|'\"#%@`?\\ \t\n\r0123456789aex.+_/\x00\x85\ufeff",
+    "!!int ", "!!float ", "!!binary ", "!!timestamp ", "!!set ", "!!python/name:x ", "2001-13-45",
+    "<<: ", "&a ", "*a", "---\n", "...\n", "%YAML 1.1\n", "0x", "9" * 5000, "[" * 100,
+    "kind: InferencePool\n",
+]
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(FUZZ_PIECES), max_size=60).map("".join))
+def test_any_text_loads_or_is_rejected_with_problems(text: str, parser: str) -> None:
+    try:
+        load(FileSnapshot((SourceFile("fuzz.yaml", text),)))
+    except InvalidRegistry as exc:
+        assert exc.problems and all(p.source == "fuzz.yaml" for p in exc.problems)
+
+
+def test_file_over_the_size_limit_is_a_problem_and_not_read_whole(tmp_path: Path) -> None:
+    big = tmp_path / "big.yaml"
+    with big.open("wb") as out:
+        out.truncate(MAX_FILE_BYTES + 1)  # sparse: no 16 MiB written
+    snapshot = read_files([str(big)])
+    assert snapshot.files == ()
+    assert [p.message for p in snapshot.problems] == ["larger than the limit of 16 MiB per file"]
+
+
+# (address, words in the problem)
+UNUSABLE_ADDRESSES = [
+    ("0.0.0.0", "the unspecified address"),
+    ("::", "the unspecified address"),
+    ("::ffff:0.0.0.0", "the unspecified address"),
+    ("224.0.0.1", "a multicast address"),
+    ("ff02::1", "a multicast address"),
+    ("255.255.255.255", "the broadcast address"),
+]
+
+
+@pytest.mark.parametrize(("address", "words"), UNUSABLE_ADDRESSES,
+                         ids=[a for a, _ in UNUSABLE_ADDRESSES])
+def test_unusable_endpoint_address_is_refused(address: str, words: str) -> None:
+    [problem] = problems_of(("p.yaml", dump(with_spec(POOL, "endpoints[1].address", address))))
+    assert problem.field == "spec.endpoints[1].address"
+    assert words in problem.message and repr(address) in problem.message
+
+
+def test_loopback_and_ordinary_addresses_stay_allowed() -> None:
+    for address in ("127.0.0.1", "::1", "10.1.2.3", "fd00::5", "169.254.1.1"):
+        registry = load(FileSnapshot((SourceFile("p.yaml", dump(
+            with_spec(POOL, "endpoints[0].address", address))),)))
+        assert registry.endpoint_sets[0].endpoints[0].address == address
+
+
+# (case id, override file text, words in the error)
+BAD_OVERRIDES = [
+    ("not a mapping", "- 1\n", "Expected `object`"),
+    ("unknown field", "pool: p\nendpoints: [{name: a, address: 10.0.0.1}]\nports: 1\n",
+     "unknown field `ports`"),
+    ("no endpoints", "pool: p\nendpoints: []\n", "lists no endpoints"),
+    ("unspecified address", "pool: p\nendpoints: [{name: a, address: 0.0.0.0, port: 1}]\n",
+     "endpoints[0].address: '0.0.0.0' is the unspecified address"),
+    ("YAML syntax", "pool: [\n", "expected"),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), [case[1:] for case in BAD_OVERRIDES],
+                         ids=[case[0] for case in BAD_OVERRIDES])
+def test_unusable_endpoints_override_is_a_clear_error(tmp_path: Path, text: str,
+                                                      words: str) -> None:
+    path = tmp_path / "override.yaml"
+    path.write_text(text)
+    with pytest.raises(OverrideError) as caught:
+        read_override(str(path))
+    assert str(caught.value).startswith(f"{path}: ") and words in str(caught.value)
+    with pytest.raises(OverrideError, match="No such file"):
+        read_override(str(tmp_path / "missing.yaml"))
+
+
+def test_endpoints_override_replaces_only_its_pools_endpoints(tmp_path: Path) -> None:
+    registry = load(FileSnapshot((SourceFile("r.yaml", dump(POOL, pool("pool-b"), MODEL)),)))
+    path = tmp_path / "override.yaml"
+    path.write_text("pool: pool-b\nendpoints:\n  - {name: sim-0, address: 127.0.0.1}\n"
+                    "  - {name: sim-1, address: 127.0.0.1, port: 9001}\n")
+    overridden, found = apply_override(registry, read_override(str(path)))
+    assert found
+    sets = {s.pool: s.endpoints for s in overridden.endpoint_sets}
+    assert sets["pool-b"] == (Endpoint("sim-0", "127.0.0.1", 8000),
+                              Endpoint("sim-1", "127.0.0.1", 9001))
+    assert sets["pool-a"] == registry.endpoint_sets[0].endpoints
+    assert (overridden.pools, overridden.models) == (registry.pools, registry.models)
+    path.write_text("pool: elsewhere\nendpoints: [{name: a, address: 127.0.0.1}]\n")
+    assert apply_override(registry, read_override(str(path))) == (registry, False)
+
+
+def test_check_of_an_empty_folder_says_a_running_registry_would_refuse_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    assert check([str(tmp_path)], sys.stdout, sys.stderr) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "valid: 0 pool(s), 0 model(s) from 0 file(s)",
+        "note: no pools; a running registry refuses to publish this over published pools unless "
+        "--allow-empty (docs/registry.md)"]

@@ -26,6 +26,9 @@ def check(paths: Sequence[str], out: TextIO, err: TextIO) -> int:
         print(f"invalid: {len(exc.problems)} problem(s); nothing would be published", file=err)
         return EXIT_INVALID
     print(summarize(registry, len(snapshot.files)), file=out)
+    if not registry.pools:
+        print("note: no pools; a running registry refuses to publish this over published pools "
+              "unless --allow-empty (docs/registry.md)", file=out)
     return EXIT_OK
 
 

@@ -4,6 +4,8 @@ It is the file source's :class:`~services.registry.reconciler.Reconciler` (same 
 backoff, resync and metrics) with another input: instead of reading files, ``check_inputs`` builds
 the desired registry from the watched objects whenever they changed. Nothing is published before
 every kind has been listed once, so a starting registry never deletes what its peers published.
+Emptiness is not refused (``allow_empty``): a pool whose pods are all unready or scaled to zero
+has no endpoints, and the API server says so; an unreachable one changes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class KubeReconciler(Reconciler):
 
     def __init__(self, state: KubeState, metrics: RegistryMetrics, *,
                  resync_interval: float = 30.0) -> None:
-        super().__init__((), metrics, watch_interval=0, resync_interval=resync_interval)
+        super().__init__((), metrics, watch_interval=0, resync_interval=resync_interval,
+                         allow_empty=True)
         self.state = state
         self.synced = False
         self._built = -1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import random
 import re
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -106,6 +107,11 @@ class _Parsed(msgspec.Struct, frozen=True):
     obj: crd.PoolObject | crd.ModelObject
 
 
+# Values quoted in problems are shortened: a document may hold a megabyte-long string, or a
+# structure of aliases whose full repr would be far larger than the file.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 80, 80
+
 _PATH_IN_ERROR = re.compile(
     r"^(?P<message>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL
 )
@@ -144,11 +150,13 @@ def _parse(document: Document) -> tuple[crd.PoolObject | crd.ModelObject | None,
     object_type = crd.OBJECT_TYPES.get(kind) if isinstance(kind, str) else None
     if object_type is None:
         known = " or ".join(crd.OBJECT_TYPES)
-        message = "required field missing" if kind is None else f"unknown kind {kind!r}"
+        message = ("required field missing" if kind is None
+                   else f"unknown kind {_SHORT.repr(kind)}")
         return None, [document.problem(f"{message} (expected {known})", "kind")]
     version = data.get("apiVersion")
     if version not in crd.API_VERSIONS:
-        message = "required field missing" if version is None else f"unsupported {version!r}"
+        message = ("required field missing" if version is None
+                   else f"unsupported {_SHORT.repr(version)}")
         return None, [document.problem(f"{message} (expected {' or '.join(crd.API_VERSIONS)})",
                                        "apiVersion")]
     try:
@@ -182,12 +190,9 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
     hostports: set[tuple[str, int]] = set()
     for i, endpoint in enumerate(pool.spec.endpoints or ()):
         at = f"spec.endpoints[{i}]"
-        try:
-            ipaddress.ip_address(endpoint.address)
-        except ValueError:
-            problems.append(document.problem(
-                f"{endpoint.address!r} is not an IP address (Envoy's original-destination "
-                "cluster cannot resolve host names)", f"{at}.address"))
+        unusable = unusable_address(endpoint.address)
+        if unusable:
+            problems.append(document.problem(unusable, f"{at}.address"))
         if endpoint.name in names:
             problems.append(document.problem(f"duplicate endpoint name {endpoint.name!r}",
                                              f"{at}.name"))
@@ -203,6 +208,32 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
     except PolicyConfigError as exc:
         problems.append(document.problem(str(exc), "spec.scheduling"))
     return problems
+
+
+_LIMITED_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def unusable_address(address: str) -> str | None:
+    """Why requests cannot be sent to ``address``, or None if they can.
+
+    Loopback is allowed: local stacks run their pods on 127.0.0.1.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return (f"{_SHORT.repr(address)} is not an IP address (Envoy's original-destination "
+                "cluster cannot resolve host names)")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:0.0.0.0 is as unusable as 0.0.0.0
+    if ip.is_unspecified:
+        why = "the unspecified address (a listening address meaning any, not a pod's)"
+    elif ip.is_multicast:
+        why = "a multicast address"
+    elif ip == _LIMITED_BROADCAST:
+        why = "the broadcast address"
+    else:
+        return None
+    return f"{address!r} is {why}; give the pod's own IP address"
 
 
 def _check_model(document: Document, model: crd.ModelObject) -> list[Problem]:

@@ -24,6 +24,7 @@ from services.registry.kube_objects import KubeState
 from services.registry.kube_reconciler import KubeReconciler
 from services.registry.kube_source import KubeSource, make_client
 from services.registry.metrics import RegistryMetrics
+from services.registry.overrides import EndpointsOverride, OverrideError, read_override
 from services.registry.publisher import Publisher
 from services.registry.reconciler import Reconciler
 from shared.logs import add_logging_arguments, setup_logging
@@ -43,6 +44,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="validate the inputs, print a summary and exit (2 when invalid); "
                              "needs no NATS")
+    parser.add_argument("--allow-empty", action="store_true",
+                        default=os.environ.get("LIG_REGISTRY_ALLOW_EMPTY", "").lower()
+                        in ("1", "true", "yes"),
+                        help="publish inputs that remove every pool, or every endpoint of a pool "
+                             "(an emptied file or folder); without it such an input is refused, "
+                             "logged and counted, and the last good state stays published "
+                             "(env LIG_REGISTRY_ALLOW_EMPTY=1)")
+    parser.add_argument("--endpoints-override", metavar="FILE", default=None,
+                        help="YAML file naming one pool and the endpoints that replace the ones "
+                             "the inputs list for it (read once, at start); `lig up` uses it for "
+                             "simulated pods, so that the registry reads your folder directly")
     parser.add_argument("--host", default=os.environ.get("LIG_HOST", "0.0.0.0"),
                         help="address the metrics server listens on (env LIG_HOST)")
     parser.add_argument("--metrics-port", type=int, default=9092,
@@ -69,19 +81,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate (``--check``) or serve until SIGTERM."""
-    if args.kubernetes and (args.paths or args.check):
-        print("lig registry: --kubernetes takes no PATH and no --check", file=sys.stderr)
+    if args.kubernetes and (args.paths or args.check or args.endpoints_override):
+        print("lig registry: --kubernetes takes no PATH, --check or --endpoints-override",
+              file=sys.stderr)
         return EXIT_INVALID
     if not args.paths and not args.kubernetes:
         print("lig registry: no PATH given (or set LIG_REGISTRY_PATHS)", file=sys.stderr)
         return EXIT_INVALID
     if args.check:
         return check(args.paths, sys.stdout, sys.stderr)
+    try:
+        override = read_override(args.endpoints_override) if args.endpoints_override else None
+    except OverrideError as exc:
+        print(f"lig registry: --endpoints-override {exc}", file=sys.stderr)
+        return EXIT_INVALID
     setup_logging("registry", args.log_level)
-    return run_service(partial(_serve, args))
+    return run_service(partial(_serve, args, override))
 
 
-async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> int:
+async def _serve(args: argparse.Namespace, override: EndpointsOverride | None,
+                 stop: asyncio.Event) -> int:
     metrics = RegistryMetrics()
     source: KubeSource | None = None
     if args.kubernetes:
@@ -91,10 +110,15 @@ async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> int:
                             reconciler.request_reload)
     else:
         reconciler = Reconciler(args.paths, metrics, watch_interval=args.watch_interval,
-                                resync_interval=args.resync_interval)
+                                resync_interval=args.resync_interval,
+                                allow_empty=args.allow_empty, override=override)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reconciler.request_reload)
+    if override is not None:
+        log.info("pool %s: its %d endpoint(s) come from %s, not from the inputs", override.pool,
+                 len(override.endpoints), args.endpoints_override)
+    if source is None:
         # Validate before connecting, so that input errors show even while NATS is unreachable.
         await reconciler.check_inputs()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reconciler.request_reload)
     server = None
     if args.metrics_port:
         server, _ = start_http_server(args.metrics_port, args.host, registry=metrics.registry)

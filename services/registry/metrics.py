@@ -20,7 +20,8 @@ class RegistryMetrics:
             registry=self.registry,
         )
         self.input_valid = Gauge(
-            "lig_registry_input_valid", "1 when the newest input was valid, 0 when it was rejected",
+            "lig_registry_input_valid",
+            "1 when the newest input was valid, 0 when it was rejected or refused",
             registry=self.registry,
         )
         self.last_reload = Gauge(
@@ -44,6 +45,14 @@ class RegistryMetrics:
             "Unix time of the newest pass that left the bucket equal to the desired state",
             registry=self.registry,
         )
+        self.refusals = Counter(
+            "lig_registry_refused",
+            "Publishes refused because they would remove every pool (no_pools) or every "
+            "endpoint of a pool (no_endpoints); see --allow-empty", ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("no_pools", "no_endpoints"):
+            self.refusals.labels(reason)
         for outcome in ("ok", "invalid"):
             self.reloads.labels(outcome)
         for outcome in ("ok", "error"):
@@ -56,9 +65,18 @@ class RegistryMetrics:
         self.reloads.labels("ok").inc()
         self.input_valid.set(1)
         self.last_reload.set(time.time())
-        self.objects.labels("pool").set(len(desired.pools))
-        self.objects.labels("model").set(len(desired.models))
-        self.objects.labels("endpoints").set(len(desired.endpoint_sets))
+        self._set_objects(desired)
+
+    def _set_objects(self, state: Registry) -> None:
+        self.objects.labels("pool").set(len(state.pools))
+        self.objects.labels("model").set(len(state.models))
+        self.objects.labels("endpoints").set(len(state.endpoint_sets))
+
+    def refused(self, reason: str, kept: Registry | None) -> None:
+        """Count a refused publish; the objects gauges go back to the state that stays."""
+        self.refusals.labels(reason).inc()
+        self.input_valid.set(0)
+        self._set_objects(kept or Registry())
 
     def reload_invalid(self) -> None:
         """Count a rejected reload (the previous state stays published)."""

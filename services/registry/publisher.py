@@ -5,13 +5,18 @@ values are ``shared.schemas.encode(...)`` of the wire messages. A pass reads the
 values, puts the keys whose bytes differ and deletes (a KV delete marker, kept in the history) the
 managed keys no longer desired. Writes are idempotent, so several registry instances with the same
 inputs converge on the same bucket without rewriting it. Puts go pools first and models last,
-deletes the other way round, so a watcher never sees a model whose pool is missing.
+deletes the other way round, so a watcher never sees a model whose pool is missing. A pass that
+would remove every pool, or every endpoint of a pool, is refused before anything is written
+(:mod:`.guard`) unless the caller allows it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TypeVar
 
 import msgspec
 from nats.js import JetStreamContext
@@ -20,6 +25,7 @@ from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from services.registry.guard import Refusal, removal_refusal
 from services.registry.loader import Registry
 from shared.schemas import encode
 from shared.subjects import endpoints_key, model_key, pool_key
@@ -29,6 +35,12 @@ log = logging.getLogger("lig.registry.publisher")
 # Key families the registry owns; keys outside them are left alone.
 _ORDER = ("pool.", "endpoints.", "model.")
 HISTORY = 5
+# Requests a pass keeps in flight: one at a time, 10,000 models cost 10,000 round trips in a row
+# (bench/bench_registry_publish.py).
+CONCURRENCY = 128
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -65,23 +77,41 @@ def _rank(key: str) -> int:
     return next((i for i, prefix in enumerate(_ORDER) if key.startswith(prefix)), len(_ORDER))
 
 
+class RemovalRefused(Exception):
+    """A pass wrote nothing because it would have removed every pool or a pool's endpoints."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+        super().__init__(refusal.message)
+
+
 class Publisher:
     """Publishes desired registries into one bucket, creating the bucket when it is missing."""
 
-    def __init__(self, js: JetStreamContext, bucket: str) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, concurrency: int = CONCURRENCY) -> None:
         self._js = js
         self._bucket = bucket
+        self._concurrency = concurrency
 
-    async def publish(self, registry: Registry) -> Plan:
-        """Make the bucket equal to ``registry``; return what was written."""
+    async def publish(self, registry: Registry, *, allow_empty: bool = False) -> Plan:
+        """Make the bucket equal to ``registry``; return what was written.
+
+        Raise :class:`RemovalRefused`, writing nothing, when that would remove every pool or
+        every endpoint of a pool, unless ``allow_empty``.
+        """
         kv = await self._open_bucket()
-        current = await read_bucket(self._js, self._bucket)
-        todo = plan(desired_entries(registry),
-                    {key: entry.value or b"" for key, entry in current.items()})
-        for key, value in todo.puts:
-            await kv.put(key, value)
-        for key in todo.deletes:
-            await kv.delete(key)
+        current = {key: entry.value or b"" for key, entry in
+                   (await read_bucket(self._js, self._bucket, self._concurrency)).items()}
+        desired = desired_entries(registry)
+        refusal = None if allow_empty else removal_refusal(desired, current)
+        if refusal is not None:
+            raise RemovalRefused(refusal)
+        todo = plan(desired, current)
+        # Each family is finished before the next starts, keeping the pools-first order.
+        for _, puts in itertools.groupby(todo.puts, key=lambda item: _rank(item[0])):
+            await in_batches(lambda item: kv.put(*item), puts, self._concurrency)
+        for _, deletes in itertools.groupby(todo.deletes, key=_rank):
+            await in_batches(kv.delete, deletes, self._concurrency)
         return todo
 
     async def _open_bucket(self) -> KeyValue:
@@ -102,21 +132,33 @@ class Publisher:
         return kv
 
 
-async def read_bucket(js: JetStreamContext, bucket: str) -> dict[str, KeyValue.Entry]:
+async def read_bucket(
+    js: JetStreamContext, bucket: str, concurrency: int = CONCURRENCY
+) -> dict[str, KeyValue.Entry]:
     """The latest entry of every live key of ``bucket``.
 
-    Lists the stream's subjects, then gets each key. (A KV watcher would be one pass, but nats-py's
-    watcher can signal "no more values" before delivering them when the server is quick, which
-    would make live keys look absent.)
+    Lists the stream's subjects, then gets each key, ``concurrency`` at a time. (A KV watcher
+    would be one pass, but nats-py's watcher can signal "no more values" before delivering them
+    when the server is quick, which would make live keys look absent.)
     """
     kv = await js.key_value(bucket)
     prefix = KV_PRE_TEMPLATE.format(bucket=bucket)
     info = await js.stream_info(KV_STREAM_TEMPLATE.format(bucket=bucket), subjects_filter=">")
-    entries: dict[str, KeyValue.Entry] = {}
-    for subject in sorted(info.state.subjects or {}):
-        key = subject.removeprefix(prefix)
+
+    async def get(key: str) -> KeyValue.Entry | None:
         try:
-            entries[key] = await kv.get(key)
+            return await kv.get(key)
         except KeyNotFoundError:  # its newest message is a delete or purge marker
-            continue
-    return entries
+            return None
+
+    keys = [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]
+    found = await in_batches(get, keys, concurrency)
+    return {key: entry for key, entry in zip(keys, found, strict=True) if entry is not None}
+
+
+async def in_batches(call: Callable[[T], Awaitable[R]], items: Iterable[T], size: int) -> list[R]:
+    """``call`` on every item, ``size`` calls in flight at a time; the results in order."""
+    pending, results = list(items), []
+    for start in range(0, len(pending), size):
+        results += await asyncio.gather(*(call(item) for item in pending[start:start + size]))
+    return results

@@ -5,6 +5,11 @@ forced reload, SIGHUP) parses and validates them. A valid input becomes the desi
 published; an invalid one is logged problem by problem and counted, and the previous desired state
 stays published. A publish pass also runs after a NATS reconnect and every ``resync_interval``
 (someone may have wiped or edited the bucket); a failed pass is retried with a bounded backoff.
+
+A valid input that would remove every pool, or every endpoint of a pool (an emptied file or
+folder), is refused unless ``allow_empty``: nothing is written, the refusal is logged and counted,
+and the desired state goes back to the last one published (none at a first start, so that the
+bucket keeps what an earlier run left there).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import nats.errors
 from services.registry.files import FileSnapshot, load, read_files
 from services.registry.loader import InvalidRegistry, Registry
 from services.registry.metrics import RegistryMetrics
-from services.registry.publisher import Publisher
+from services.registry.overrides import EndpointsOverride, apply_override
+from services.registry.publisher import Plan, Publisher, RemovalRefused
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.registry")
@@ -30,6 +36,7 @@ RETRY_MAX = 5.0
 # A changed input is read again this much later and used only if unchanged, so that a file caught
 # half-written (truncated, then written) is not published as "no objects".
 SETTLE = 0.1
+KEYS_LOGGED = 5  # a pass names this many of the keys it wrote, then counts the rest
 
 
 class Reconciler:
@@ -42,9 +49,14 @@ class Reconciler:
         *,
         watch_interval: float = 0.5,
         resync_interval: float = 30.0,
+        allow_empty: bool = False,
+        override: EndpointsOverride | None = None,
     ) -> None:
         self.paths = tuple(paths)
         self.desired: Registry | None = None
+        self.published: Registry | None = None  # the newest state a pass published in full
+        self._allow_empty = allow_empty
+        self._override = override
         self._metrics = metrics
         self._watch_interval = watch_interval
         self._resync_interval = resync_interval
@@ -90,11 +102,25 @@ class Reconciler:
             log.error("rejected the inputs (%d problems); %s", len(exc.problems), kept)
             self._metrics.reload_invalid()
             return
+        except Exception:
+            # Every input error is an InvalidRegistry; anything else is a bug of ours, which must
+            # not take the registry (and `lig up` with it) down or change what is published.
+            log.exception("could not load the inputs (a registry bug: please report it with "
+                          "the input); the previous state stays published")
+            self._metrics.reload_invalid()
+            return
+        if self._override is not None:
+            desired, found = apply_override(desired, self._override)
+            if not found:
+                log.warning("--endpoints-override names pool %r, which the inputs do not define",
+                            self._override.pool)
         self._metrics.reload_ok(desired)
         if forced or desired != self.desired:
             log.info("loaded %d pools, %d models, %d endpoint sets from %d files",
                      len(desired.pools), len(desired.models), len(desired.endpoint_sets),
                      len(snapshot.files))
+            if not desired.pools:
+                log.warning("the inputs define no pools")
             self.desired = desired
             self.request_resync()
 
@@ -113,7 +139,10 @@ class Reconciler:
 
     async def _publish(self, publisher: Publisher, desired: Registry) -> None:
         try:
-            done = await publisher.publish(desired)
+            done = await publisher.publish(desired, allow_empty=self._allow_empty)
+        except RemovalRefused as exc:
+            self._refused(exc)
+            return
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             self._metrics.publish_failed()
             self._retry_delay = min(max(RETRY_MIN, self._retry_delay * 2), RETRY_MAX)
@@ -122,15 +151,25 @@ class Reconciler:
                                          self._retry_delay, str(exc) or type(exc).__name__)
             return
         self._metrics.published(done)
+        self.published = desired
         self._publish_pending = False
         self._retry_delay = 0.0
         self._next_resync = time.monotonic() + (self._resync_interval or float("inf"))
         if done.puts or done.deletes:
             log.info("published: %d put, %d deleted, %d unchanged (%s)", len(done.puts),
-                     len(done.deletes), done.unchanged,
-                     ", ".join([key for key, _ in done.puts] + [f"-{key}" for key in done.deletes]))
+                     len(done.deletes), done.unchanged, written_keys(done))
         else:
             log.debug("bucket already up to date (%d keys)", done.unchanged)
+
+    def _refused(self, exc: RemovalRefused) -> None:
+        """Keep the last published state (or none) after a refused pass; say so loudly."""
+        self._metrics.refused(exc.refusal.reason, self.published)
+        kept = ("the previous state stays published" if self.published is not None
+                else "nothing published; the bucket keeps what it holds")
+        log.error("REFUSED to publish: %s; %s. Restore the inputs, or run with --allow-empty "
+                  "(env LIG_REGISTRY_ALLOW_EMPTY=1) if this is intended", exc.refusal.message, kept)
+        self.desired = self.published
+        self._publish_pending = self.desired is not None
 
     async def _sleep(self) -> None:
         now = time.monotonic()
@@ -143,3 +182,12 @@ class Reconciler:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), None if timeout == float("inf") else timeout)
         self._wake.clear()
+
+
+def written_keys(done: Plan) -> str:
+    """The first few keys a pass wrote (deletes marked ``-``) and how many more, for its log line:
+    a pass of 10,000 models would otherwise log every key on one line."""
+    keys = [key for key, _ in done.puts[:KEYS_LOGGED]]
+    keys += [f"-{key}" for key in done.deletes[:KEYS_LOGGED - len(keys)]]
+    more = len(done.puts) + len(done.deletes) - len(keys)
+    return ", ".join(keys) + (f" and {more:,} more" if more else "")
