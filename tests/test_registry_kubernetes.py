@@ -78,12 +78,12 @@ def endpoints(contents: dict[str, bytes], pool_name: str = "pool-a") -> list[str
 class Registry:
     """``lig registry --kubernetes`` as a child process, its output in a log file."""
 
-    def __init__(self, tmp_path: Path, kubeconfig: Path, nats_url: str) -> None:
+    def __init__(self, tmp_path: Path, kubeconfig: Path, nats_url: str, *extra: str) -> None:
         self.log = tmp_path / f"registry-{time.monotonic_ns()}.log"
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 [LIG, "registry", "--kubernetes", "--kubeconfig", str(kubeconfig),
-                 "--nats-url", nats_url, "--metrics-port", "0", "--resync-interval", "0"],
+                 "--nats-url", nats_url, "--metrics-port", "0", "--resync-interval", "0", *extra],
                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
     def text(self) -> str:
@@ -121,9 +121,9 @@ async def nc(nats_server) -> AsyncIterator[Client]:
 def start_registry(kube: KubeApiServer, nats_server, tmp_path: Path):
     started: list[Registry] = []
 
-    def start() -> Registry:
+    def start(*extra: str) -> Registry:
         kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
-        started.append(Registry(tmp_path, kubeconfig, nats_server.url))
+        started.append(Registry(tmp_path, kubeconfig, nats_server.url, *extra))
         return started[-1]
 
     yield start
@@ -335,6 +335,57 @@ async def test_models_are_the_entries_the_yaml_source_writes(
                                                                dump(*YAML_EQUIVALENT)),))))
     took = await reaches(nc, lambda c: c == from_yaml)
     assert took < 10
+
+
+async def test_only_the_watched_namespace_counts(
+    kube: KubeApiServer, nc: Client, start_registry: Callable[..., Registry]
+) -> None:
+    kube.put(pool())
+    kube.put(pod("here", "10.1.0.1"))
+    elsewhere = pod("elsewhere", "10.1.0.2")
+    elsewhere["metadata"]["namespace"] = "other"
+    kube.put(elsewhere)
+    other_pool = pool("pool-b")
+    other_pool["metadata"]["namespace"] = "other"
+    kube.put(other_pool)
+    start_registry()
+    await reaches(nc, lambda c: endpoints(c) == ["here@10.1.0.1:8000"])
+    assert "pool.pool-b" not in await bucket(nc)
+    await nc.jetstream().delete_key_value(BUCKET)
+    start_registry("--namespace", "other")  # two registries, two namespaces, one bucket
+    await reaches(nc, lambda c: endpoints(c, "pool-b") == ["elsewhere@10.1.0.2:8000"])
+
+
+async def test_nothing_is_published_before_every_kind_is_listed(
+    kube: KubeApiServer, nc: Client, start_registry: Callable[..., Registry]
+) -> None:
+    kube.put(pool())
+    kube.put(pod("vllm-0", "10.1.0.1"))
+    kube.answer_with["InferenceObjective"] = 500  # a kind the registry cannot list yet
+    kube.answer_with["InferenceModel"] = 404  # the seed's CRD is not installed: no such objects
+    registry = start_registry()
+
+    async def retried() -> bool:
+        return sum("inferenceobjectives" in r for r in kube.requests) >= 2
+    await poll_until(retried)
+    assert await bucket(nc) == {}, "published before the objectives were listed"
+    del kube.answer_with["InferenceObjective"]
+    await reaches(nc, lambda c: endpoints(c) == ["vllm-0@10.1.0.1:8000"])
+    assert "InferenceModel: not served by the API server" in registry.text()
+
+
+async def test_two_replicas_write_the_same_state(
+    kube: KubeApiServer, nc: Client, start_registry: Callable[..., Registry]
+) -> None:
+    kube.put(pool())
+    kube.put(pod("vllm-0", "10.1.0.1"))
+    first, _second = start_registry(), start_registry()
+    await reaches(nc, lambda c: endpoints(c) == ["vllm-0@10.1.0.1:8000"])
+    await change_within(nc, lambda: kube.put(pod("vllm-1", "10.1.0.2")),
+                        lambda c: endpoints(c) == ["vllm-0@10.1.0.1:8000", "vllm-1@10.1.0.2:8000"])
+    assert first.stop() < 3.0
+    await change_within(nc, lambda: kube.delete("Pod", "vllm-0"),
+                        lambda c: endpoints(c) == ["vllm-1@10.1.0.2:8000"])
 
 
 def test_priority_maps_onto_criticality() -> None:

@@ -25,6 +25,8 @@ Covered, as kube-apiserver does it:
   event whose object is a ``Status`` with ``code: 410``, ``reason: Expired``; or, after
   ``gone_as_http = True``, as an HTTP 410 with the ``Status`` as body; :meth:`expire_watches`
   sends that ERROR to every open watch (as when the watch cache falls behind);
+- failures: ``answer_with[kind] = code`` answers every request for that kind with a ``Status`` of
+  that code (404 as for a CRD that is not installed, 403 as RBAC would, 500...);
 - restarts: :meth:`stop` closes the listener and every connection (the objects and the counter
   survive, as they would in etcd); :meth:`start` listens again on the same port.
 
@@ -85,6 +87,7 @@ class KubeApiServer:
         self.port = port
         self.bookmark_interval = bookmark_interval
         self.gone_as_http = False
+        self.answer_with: dict[str, int] = {}
         self.version = 0
         self.objects: dict[Key, dict[str, Any]] = {}
         # Retained events (version, kind, type, object), oldest first; versions below
@@ -234,6 +237,10 @@ class KubeApiServer:
             await _send_json(conn, writer, 404, _status(404, "NotFound", f"no route {split.path}"))
             return
         kind, namespace = route
+        if kind in self.answer_with:
+            code = self.answer_with[kind]
+            await _send_json(conn, writer, code, _status(code, "Failure", f"{kind}: test failure"))
+            return
         selector = query.get("labelSelector", "")
         try:
             matches(selector, {})
