@@ -302,6 +302,8 @@ YAML_EQUIVALENT = [
     {"apiVersion": X, "kind": "InferenceModel", "metadata": {"name": "chat"}, "spec": {
         "modelName": "chat", "criticality": "Critical", "poolRef": {"name": "pool-a"},
         "targetModels": [{"name": "chat-v1", "weight": 90}, {"name": "chat-v2", "weight": 10}]}},
+    {"apiVersion": X, "kind": "InferenceModel", "metadata": {"name": "base"}, "spec": {
+        "modelName": "meta/Llama-3", "criticality": "Critical", "poolRef": {"name": "pool-a"}}},
     {"apiVersion": X, "kind": "InferenceModel", "metadata": {"name": "batch"}, "spec": {
         "modelName": "batch", "criticality": "Sheddable", "poolRef": {"name": "pool-a"}}},
     {"apiVersion": X, "kind": "InferenceModel", "metadata": {"name": "alias"}, "spec": {
@@ -323,6 +325,9 @@ async def test_models_are_the_entries_the_yaml_source_writes(
     kube.put(pod("vllm-0", "10.1.0.1"))
     kube.put(objective("chat", 10))
     kube.put(objective("batch", -5))
+    base = objective("llama3-base", 1)
+    base["metadata"]["annotations"] = {"inference.lig.dev/model-name": "meta/Llama-3"}
+    kube.put(base)
     kube.put(rewrite("chat-split", [(["chat"], [("chat-v1", 90), ("chat-v2", 10)]),
                                     (["alias"], [("chat-v2", 1)])]))
     legacy = {"apiVersion": X, "kind": "InferenceModel", "metadata": {"name": "legacy"},

@@ -13,8 +13,9 @@ Kinds (field names as in the Gateway API Inference Extension's Go types, ``api/v
     a member of every pool of its namespace whose ``matchLabels`` its labels contain, while it has a
     ``Ready=True`` condition, a ``status.podIP`` and no ``metadata.deletionTimestamp``.
 ``InferenceObjective`` (``inference.networking.x-k8s.io/v1alpha2``)
-    ``spec.priority`` (integer, optional) and ``spec.poolRef.name``. The objective's name is the
-    model name it applies to (the ``x-gateway-inference-objective`` header names it too).
+    ``spec.priority`` (integer, optional) and ``spec.poolRef.name``. It applies to the model named
+    by its annotation ``inference.lig.dev/model-name`` or else by its own name (object names
+    cannot hold every model name: ``meta-llama/Llama-3.1-8B-Instruct``).
 ``InferenceModelRewrite`` (``inference.networking.x-k8s.io/v1alpha2``)
     ``spec.poolRef.name`` and ``spec.rules[]``: ``matches[].model`` (``type: Exact``, ``value``)
     and ``targets[]`` (``modelRewrite``, ``weight``).
@@ -74,6 +75,7 @@ ANNOTATIONS = {
     "scheduling-params": "JSON object of the policy's parameters (default {})",
     "reject-unknown-models": "true: unknown model names get 404 (default false)",
 }
+MODEL_NAME_ANNOTATION = f"{ANNOTATION_PREFIX}model-name"  # on an InferenceObjective
 MAX_TARGET_PORTS = 8
 
 Key = tuple[str, str, str]  # (kind, namespace, name)
@@ -135,7 +137,8 @@ def parse(kind: str, obj: Mapping[str, Any]) -> Parsed:
     if kind == POOL:
         return Parsed(created, _pool(name, namespace, meta, spec))
     if kind == OBJECTIVE:
-        return Parsed(created, (_objective(name, namespace, spec),))
+        model_name = (meta.get("annotations") or {}).get(MODEL_NAME_ANNOTATION) or name
+        return Parsed(created, (_objective(str(model_name), namespace, spec),))
     if kind == REWRITE:
         return Parsed(created, _rewrite(namespace, spec))
     return Parsed(created, (_seed_model(namespace, spec),))
