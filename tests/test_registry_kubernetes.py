@@ -5,6 +5,7 @@ relists (410 Gone, restarts), bad objects, and model entries equal to the YAML s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from services.registry import kube_objects
+from services.registry import kube_objects, kube_source
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.kube_objects import KubeState, criticality_of
 from services.registry.publisher import desired_entries
@@ -391,6 +392,32 @@ async def test_two_replicas_write_the_same_state(
     assert first.stop() < 3.0
     await change_within(nc, lambda: kube.delete("Pod", "vllm-0"),
                         lambda c: endpoints(c) == ["vllm-1@10.1.0.2:8000"])
+
+
+async def test_a_silent_watch_is_replaced_by_a_fresh_list(
+    kube: KubeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kube_source, "IDLE_SECONDS", 0.5)
+    kube.put(pool())
+    changes: list[int] = []
+    state = KubeState()
+    client = kube_source.make_client(str(kube.write_kubeconfig(tmp_path / "kubeconfig")), None)
+    source = kube_source.KubeSource(client, state, lambda: changes.append(state.generation))
+    task = asyncio.create_task(source.run())
+    try:
+        await asyncio.wait_for(source.synced.wait(), 10)
+        await asyncio.sleep(0.1)  # the watches are open
+        kube.mute_watches()  # a connection dead without a FIN: nothing more arrives on it
+        kube.put(pod("vllm-0", "10.1.0.1"))
+
+        async def seen() -> bool:
+            return [e.name for e in state.registry().endpoint_sets[0].endpoints] == ["vllm-0"]
+        took = await poll_until(seen)
+        assert took >= 0.3, "learnt before the idle limit: the watch was not silent"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def test_priority_maps_onto_criticality() -> None:

@@ -6,7 +6,8 @@ selectors here, so a selector edit needs no new watch), replaces that kind's obj
 then watches from the list's resourceVersion. lightkube resumes a watch that simply ended from the
 newest version it saw; a ``410 Gone`` (an ERROR event or an HTTP 410), any other error or an
 unreachable API server ends the watch, and the loop lists again after a backoff (0.2 s doubling to
-5 s; at once after a 410). Meanwhile the state, and so the published registry, stays as it was.
+5 s; at once after a 410, or after a watch silent for ``IDLE_SECONDS``). Meanwhile the state, and
+so the published registry, stays as it was.
 
 The client is lightkube's ``AsyncClient`` (httpx-based, async list and watch, generic resources
 for CRDs); configuration is ``--kubeconfig PATH`` or else the pod's service account.
@@ -45,6 +46,11 @@ RESOURCES: dict[str, Any] = {
 }
 BACKOFF_MIN = 0.2
 BACKOFF_MAX = 5.0
+# The API server is asked to end each watch after WATCH_SECONDS (lightkube then resumes it); a
+# watch with no event for IDLE_SECONDS is dropped and the kind listed again, so that a connection
+# that died without a FIN cannot leave the source silently stale.
+WATCH_SECONDS = 240
+IDLE_SECONDS = 300.0
 
 
 def make_client(kubeconfig: str | None, namespace: str | None) -> AsyncClient:
@@ -88,8 +94,10 @@ class KubeSource:
             try:
                 version = await self._list(kind, resource)
                 delay = 0.0
-                async for event, obj in self._client.watch(resource, resource_version=version):
-                    self._event(kind, event, obj)
+                await self._watch(kind, resource, version)
+            except TimeoutError:
+                log.debug("%s: no event for %.0f s; listing again", kind, IDLE_SECONDS)
+                continue
             except Exception as exc:  # unreachable, an error answer or a broken stream: list again
                 code = _status_code(exc)
                 if code == 410:
@@ -105,6 +113,14 @@ class KubeSource:
                 else:
                     errors.warning("%s: list/watch failed (%s: %s); keeping the last state, "
                                    "retrying in %.1f s", kind, type(exc).__name__, exc, delay)
+
+    async def _watch(self, kind: str, resource: Any, version: str) -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout_at(loop.time() + IDLE_SECONDS) as idle:
+            async for event, obj in self._client.watch(resource, resource_version=version,
+                                                       server_timeout=WATCH_SECONDS):
+                idle.reschedule(loop.time() + IDLE_SECONDS)
+                self._event(kind, event, obj)
 
     async def _list(self, kind: str, resource: Any) -> str:
         listing = self._client.list(resource)

@@ -27,6 +27,7 @@ Covered, as kube-apiserver does it:
   sends that ERROR to every open watch (as when the watch cache falls behind);
 - failures: ``answer_with[kind] = code`` answers every request for that kind with a ``Status`` of
   that code (404 as for a CRD that is not installed, 403 as RBAC would, 500...);
+- dead connections: :meth:`mute_watches` keeps the open watches open but sends nothing more;
 - restarts: :meth:`stop` closes the listener and every connection (the objects and the counter
   survive, as they would in etcd); :meth:`start` listens again on the same port.
 
@@ -72,6 +73,7 @@ class _Watch:
         self.namespace = namespace
         self.selector = selector
         self.bookmarks = bookmarks
+        self.muted = False
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     def wants(self, kind: str, obj: dict[str, Any]) -> bool:
@@ -177,6 +179,11 @@ class KubeApiServer:
         """End every open watch cleanly (as ``timeoutSeconds`` does)."""
         for watch in list(self._watches):
             watch.queue.put_nowait(None)
+
+    def mute_watches(self) -> None:
+        """Make every open watch silent but open, like a connection that died without a FIN."""
+        for watch in self._watches:
+            watch.muted = True
 
     def bookmark(self) -> None:
         """Send a BOOKMARK at the current version to every watch that allows them."""
@@ -303,7 +310,8 @@ class KubeApiServer:
                     continue
                 if line is None:
                     break
-                await _send_chunk(conn, writer, line)
+                if not watch.muted:
+                    await _send_chunk(conn, writer, line)
             await _end_stream(conn, writer)
         finally:
             self._watches.discard(watch)
