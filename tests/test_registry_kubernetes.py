@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
 from nats.aio.client import Client
@@ -24,6 +25,7 @@ from services.registry.publisher import desired_entries
 from shared.schemas import Criticality, EndpointSet, InferenceModel, decode
 from shared.subjects import Subjects
 from tests.support.kube_apiserver import KubeApiServer, matches
+from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
 from tests.support.registry_yaml import dump
 from tests.test_registry_service import LIG, bucket, poll_until
@@ -253,6 +255,13 @@ async def test_api_server_restart_keeps_the_state_and_catches_up(
     assert registry.stop() < 3.0
 
 
+def input_valid(port: int) -> float | None:
+    page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    values = [float(line.split()[1]) for line in page.splitlines()
+              if line.startswith("lig_registry_input_valid ")]
+    return values[0] if values else None
+
+
 async def test_bad_objects_are_logged_and_the_previous_good_state_kept(
     kube: KubeApiServer, nc: Client, start_registry: Callable[[], Registry]
 ) -> None:
@@ -260,7 +269,8 @@ async def test_bad_objects_are_logged_and_the_previous_good_state_kept(
     kube.put(pod("vllm-0", "10.1.0.1"))
     kube.put(objective("model-a", -1))
     kube.put(pool("never-good", labels={}))
-    registry = start_registry()
+    metrics_port = free_port()
+    registry = start_registry("--metrics-port", str(metrics_port), "--host", "127.0.0.1")
     await reaches(nc, lambda c: endpoints(c) == ["vllm-0@10.1.0.1:8000"]
                   and "model.pool-a.model-a" in c)
     good = await bucket(nc)
@@ -286,9 +296,15 @@ async def test_bad_objects_are_logged_and_the_previous_good_state_kept(
         return all(line in registry.text() for line in expected)
     await poll_until(logged)
     assert "Expected `int` <= 65535" in registry.text()
+    assert input_valid(metrics_port) == 0.0
     # A good edit after the bad ones is used again.
     kube.put(pod("vllm-1", "10.1.0.2"))
     await reaches(nc, lambda c: endpoints(c) == ["vllm-0@10.1.0.1:8000", "vllm-1@10.1.0.2:8000"])
+    # Fixing every bad object (or deleting it) makes the input valid again.
+    kube.put(pool())
+    kube.put(objective("model-a", -1))
+    kube.delete("InferencePool", "never-good")
+    await poll_until(lambda: asyncio.to_thread(lambda: input_valid(metrics_port) == 1.0))
     now = await bucket(nc)
     assert {k: v for k, v in now.items() if not k.startswith("endpoints.")} == {
         k: v for k, v in good.items() if not k.startswith("endpoints.")}

@@ -341,6 +341,7 @@ class KubeState:
         self._versions: dict[Key, str] = {}
         self._good: dict[Key, Parsed] = {}
         self._conflicts: frozenset[str] = frozenset()
+        self.rejected: set[Key] = set()  # objects whose newest version is bad
         self.generation = 0
 
     def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -357,7 +358,12 @@ class KubeState:
                     else "it is not used")
             log.error("rejected %s %s/%s (resourceVersion %s): %s; %s", kind, key[1], key[2],
                       version, exc, kept)
+            self.rejected.add(key)
+            self.generation += 1
             return
+        if key in self.rejected:
+            self.rejected.discard(key)
+            self.generation += 1
         if self._good.get(key) != parsed:
             self._good[key] = parsed
             self.generation += 1
@@ -366,6 +372,9 @@ class KubeState:
         """An object was deleted."""
         key = _key(kind, obj)
         self._versions.pop(key, None)
+        if key in self.rejected:
+            self.rejected.discard(key)
+            self.generation += 1
         if self._good.pop(key, None) is not None:
             self.generation += 1
 

@@ -38,6 +38,9 @@ class KubeReconciler(Reconciler):
         self._built = self.state.generation
         desired = self.state.registry()
         self._metrics.reload_ok(desired)
+        if self.state.rejected:
+            # lig_registry_input_valid 0 while any object's newest version is rejected.
+            self._metrics.reload_invalid()
         if forced or desired != self.desired:
             log.info("desired state: %d pools, %d models, %d endpoints",
                      len(desired.pools), len(desired.models),

@@ -51,6 +51,8 @@ BACKOFF_MAX = 5.0
 # that died without a FIN cannot leave the source silently stale.
 WATCH_SECONDS = 240
 IDLE_SECONDS = 300.0
+# A kind the API server does not serve (its CRD is not installed) is looked for again this often.
+NOT_SERVED_RETRY = 60.0
 
 
 def make_client(kubeconfig: str | None, namespace: str | None) -> AsyncClient:
@@ -95,32 +97,39 @@ class KubeSource:
                 version = await self._list(kind, resource)
                 delay = 0.0
                 await self._watch(kind, resource, version)
-            except TimeoutError:
-                log.debug("%s: no event for %.0f s; listing again", kind, IDLE_SECONDS)
-                continue
             except Exception as exc:  # unreachable, an error answer or a broken stream: list again
                 code = _status_code(exc)
                 if code == 410:
                     log.info("%s: watch expired (410 Gone); listing again", kind)
                     delay = 0.0
                     continue
-                delay = min(max(BACKOFF_MIN, delay * 2), BACKOFF_MAX)
-                if code == 404 and kind not in self._listed:
+                if code == 404:
                     # The kind's CRD is not installed: nothing of that kind exists (yet).
-                    self._mark_listed(kind)
-                    errors.warning("%s: not served by the API server (CRD not installed?); "
-                                   "treated as empty, retrying in %.1f s", kind, delay)
-                else:
-                    errors.warning("%s: list/watch failed (%s: %s); keeping the last state, "
-                                   "retrying in %.1f s", kind, type(exc).__name__, exc, delay)
+                    if kind not in self._listed:
+                        log.warning("%s: not served by the API server (CRD not installed?); "
+                                    "treated as empty, looking again every %.0f s", kind,
+                                    NOT_SERVED_RETRY)
+                        self._mark_listed(kind)
+                    delay = NOT_SERVED_RETRY
+                    continue
+                delay = min(max(BACKOFF_MIN, delay * 2), BACKOFF_MAX)
+                errors.warning("%s: list/watch failed (%s: %s); keeping the last state, "
+                               "retrying in %.1f s", kind, type(exc).__name__, exc, delay)
 
     async def _watch(self, kind: str, resource: Any, version: str) -> None:
+        """Apply the events of one watch; return when it stayed silent for ``IDLE_SECONDS``."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout_at(loop.time() + IDLE_SECONDS) as idle:
-            async for event, obj in self._client.watch(resource, resource_version=version,
-                                                       server_timeout=WATCH_SECONDS):
-                idle.reschedule(loop.time() + IDLE_SECONDS)
-                self._event(kind, event, obj)
+        idle = asyncio.timeout_at(loop.time() + IDLE_SECONDS)
+        try:
+            async with idle:
+                async for event, obj in self._client.watch(resource, resource_version=version,
+                                                           server_timeout=WATCH_SECONDS):
+                    idle.reschedule(loop.time() + IDLE_SECONDS)
+                    self._event(kind, event, obj)
+        except TimeoutError:
+            if not idle.expired():
+                raise
+            log.debug("%s: no event for %.0f s; listing again", kind, IDLE_SECONDS)
 
     async def _list(self, kind: str, resource: Any) -> str:
         listing = self._client.list(resource)
