@@ -4,7 +4,6 @@ plain HTTP client: lists, label selectors, namespaces, watch replay, bookmarks, 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -17,14 +16,6 @@ PODS = "/api/v1/namespaces/default/pods"
 
 def pod(name: str, namespace: str = "default", **labels: str) -> dict[str, Any]:
     return {"kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": labels}}
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[KubeApiServer]:
-    server = KubeApiServer(bookmark_interval=0.05)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def watch(kube: KubeApiServer, path: str, count: int, **params: str) -> list[dict]:

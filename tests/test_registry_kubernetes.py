@@ -106,14 +106,6 @@ class Registry:
 
 
 @pytest.fixture
-async def kube() -> AsyncIterator[KubeApiServer]:
-    server = KubeApiServer(bookmark_interval=0.2)
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def nc(nats_server) -> AsyncIterator[Client]:
     client = await nats.connect(nats_server.url)
     yield client

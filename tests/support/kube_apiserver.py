@@ -44,12 +44,13 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import h11
+import pytest
 
 # kind -> (group, version, plural); the core group is "".
 PLURALS: dict[str, tuple[str, str, str]] = {
@@ -401,3 +402,12 @@ async def _send_chunk(conn: h11.Connection, writer: asyncio.StreamWriter, data: 
 async def _end_stream(conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
     writer.write(conn.send(h11.EndOfMessage()))
     await writer.drain()
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[KubeApiServer]:
+    """A started :class:`KubeApiServer` (bookmarks every 0.05 s when asked for), stopped after."""
+    server = KubeApiServer(bookmark_interval=0.05)
+    await server.start()
+    yield server
+    await server.stop()
