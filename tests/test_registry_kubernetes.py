@@ -254,6 +254,20 @@ def input_valid(port: int) -> float | None:
     return values[0] if values else None
 
 
+async def test_sigterm_stops_it_while_the_api_server_is_unreachable(
+    kube: KubeApiServer, nc: Client, start_registry: Callable[..., Registry]
+) -> None:
+    await kube.stop()
+    registry = start_registry()
+
+    async def retrying() -> bool:
+        return "keeping the last state, retrying" in registry.text()
+    await poll_until(retrying)
+    assert registry.stop() < 3.0
+    assert registry.process.returncode == 0
+    assert await bucket(nc) == {}
+
+
 async def test_bad_objects_are_logged_and_the_previous_good_state_kept(
     kube: KubeApiServer, nc: Client, start_registry: Callable[[], Registry]
 ) -> None:
