@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.support.envoy",
     "tests.support.picker",
     "tests.support.simulator",
+    "tests.support.kube_apiserver",
 ]

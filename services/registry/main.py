@@ -4,6 +4,7 @@ Wiring only: the input format is in :mod:`.crd`, validation in :mod:`.loader`, f
 :mod:`.files`, the KV diff in :mod:`.publisher` and the watch/reload/publish loop in
 :mod:`.reconciler`. SIGHUP forces a reload; SIGTERM/SIGINT stop within about a second.
 ``--check`` validates and prints a summary without NATS (exit 2 on invalid input).
+``--kubernetes`` reads the objects from the API server instead (:mod:`.kube_source`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from functools import partial
 from prometheus_client import start_http_server
 
 from services.registry.check import EXIT_INVALID, check
+from services.registry.kube_objects import KubeState
+from services.registry.kube_reconciler import KubeReconciler
+from services.registry.kube_source import KubeSource, make_client
 from services.registry.metrics import RegistryMetrics
 from services.registry.overrides import EndpointsOverride, OverrideError, read_override
 from services.registry.publisher import Publisher
@@ -62,13 +66,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resync-interval", type=float, default=30.0,
                         help="seconds between checks that the bucket still holds the desired "
                              "state; 0 checks only after changes and reconnects")
+    kube = parser.add_argument_group("Kubernetes source (docs/kubernetes.md)")
+    kube.add_argument("--kubernetes", action="store_true",
+                      help="read InferencePools, their Pods, InferenceObjectives, "
+                           "InferenceModelRewrites and InferenceModels from the Kubernetes API "
+                           "server (list+watch) instead of PATHs")
+    kube.add_argument("--namespace", default=os.environ.get("LIG_NAMESPACE") or None,
+                      help="namespace to watch (env LIG_NAMESPACE; default: the kubeconfig "
+                           "context's, or the pod's own in a cluster)")
+    kube.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or None,
+                      help="kubeconfig file (env KUBECONFIG; default: the pod's service account)")
     add_nats_arguments(parser)
     add_logging_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate (``--check``) or serve until SIGTERM."""
-    if not args.paths:
+    if args.kubernetes and (args.paths or args.check or args.endpoints_override):
+        print("lig registry: --kubernetes takes no PATH, --check or --endpoints-override",
+              file=sys.stderr)
+        return EXIT_INVALID
+    if not args.paths and not args.kubernetes:
         print("lig registry: no PATH given (or set LIG_REGISTRY_PATHS)", file=sys.stderr)
         return EXIT_INVALID
     if args.check:
@@ -85,19 +103,28 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, override: EndpointsOverride | None,
                  stop: asyncio.Event) -> int:
     metrics = RegistryMetrics()
-    reconciler = Reconciler(args.paths, metrics, watch_interval=args.watch_interval,
-                            resync_interval=args.resync_interval, allow_empty=args.allow_empty,
-                            override=override)
+    source: KubeSource | None = None
+    if args.kubernetes:
+        reconciler: Reconciler = KubeReconciler(KubeState(), metrics,
+                                                resync_interval=args.resync_interval)
+        source = KubeSource(make_client(args.kubeconfig, args.namespace), reconciler.state,
+                            reconciler.request_reload)
+    else:
+        reconciler = Reconciler(args.paths, metrics, watch_interval=args.watch_interval,
+                                resync_interval=args.resync_interval,
+                                allow_empty=args.allow_empty, override=override)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reconciler.request_reload)
     if override is not None:
         log.info("pool %s: its %d endpoint(s) come from %s, not from the inputs", override.pool,
                  len(override.endpoints), args.endpoints_override)
-    # Validate before connecting, so that input errors show even while NATS is unreachable.
-    await reconciler.check_inputs()
+    if source is None:
+        # Validate before connecting, so that input errors show even while NATS is unreachable.
+        await reconciler.check_inputs()
     server = None
     if args.metrics_port:
         server, _ = start_http_server(args.metrics_port, args.host, registry=metrics.registry)
-    work = asyncio.create_task(_publish_forever(args, reconciler, metrics_port=args.metrics_port))
+    work = asyncio.create_task(_publish_forever(args, reconciler, source,
+                                                metrics_port=args.metrics_port))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -115,7 +142,7 @@ async def _serve(args: argparse.Namespace, override: EndpointsOverride | None,
 
 
 async def _publish_forever(
-    args: argparse.Namespace, reconciler: Reconciler, metrics_port: int
+    args: argparse.Namespace, reconciler: Reconciler, source: KubeSource | None, metrics_port: int
 ) -> None:
     settings = settings_from_args(args)
 
@@ -127,8 +154,25 @@ async def _publish_forever(
     try:
         bucket = Subjects(settings.prefix).registry_bucket
         metrics_at = f"http://{args.host}:{metrics_port}/metrics" if metrics_port else "disabled"
+        watching = (f"Kubernetes namespace {source.namespace}" if source is not None
+                    else ", ".join(reconciler.paths))
         log.info("ready: watching %s, publishing to KV bucket %s at %s; metrics %s",
-                 ", ".join(reconciler.paths), bucket, settings.url, metrics_at)
-        await reconciler.run(Publisher(nc.jetstream(), bucket, settings.replicas))
+                 watching, bucket, settings.url, metrics_at)
+        publishing = reconciler.run(Publisher(nc.jetstream(), bucket, settings.replicas))
+        if source is None:
+            await publishing
+            return
+        async with asyncio.TaskGroup() as group:
+            group.create_task(publishing)
+            group.create_task(_sync_then_publish(source, reconciler))
+            await source.run()
     finally:
         await finish_within(nc.close(), 1.0)
+
+
+async def _sync_then_publish(source: KubeSource, reconciler: Reconciler) -> None:
+    """Let the Kubernetes reconciler publish once every kind has been listed."""
+    await source.synced.wait()
+    assert isinstance(reconciler, KubeReconciler)
+    reconciler.synced = True
+    reconciler.request_reload()
