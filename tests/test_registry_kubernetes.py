@@ -468,3 +468,31 @@ def test_selector_matching_of_the_test_server() -> None:
     with pytest.raises(ValueError):
         matches("app in (a,b)", labels)
 
+
+
+def test_pods_outside_the_allowed_networks_are_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    # A pod IP outside the private ranges (or loopback, the node itself) would send prompts off
+    # the cluster network: left out unless the pool's annotation allows its network.
+    state = KubeState()
+    state.apply(kube_objects.POOL, pool())
+    for name, ip in (("in", "10.1.0.1"), ("public", "8.8.8.8"), ("node", "127.0.0.1")):
+        state.apply(kube_objects.POD, pod(name, ip, app="a"))
+    with caplog.at_level("WARNING"):
+        members = state.registry().endpoint_sets[0].endpoints
+    assert [e.name for e in members] == ["in"]
+    assert "Pod default/public left out of pool pool-a: 8.8.8.8 is outside" in caplog.text
+    assert "127.0.0.1 is a loopback address" in caplog.text
+
+    allowing = pool()
+    allowing["metadata"]["annotations"] = {
+        "inference.lig.dev/allowed-networks": "10.0.0.0/8, 8.8.8.0/24"}
+    allowing["metadata"]["resourceVersion"] = "2"
+    state.apply(kube_objects.POOL, allowing)
+    assert [e.name for e in state.registry().endpoint_sets[0].endpoints] == ["in", "public"]
+
+    bad = pool()
+    bad["metadata"]["annotations"] = {"inference.lig.dev/allowed-networks": "10.0.0.1/8"}
+    bad["metadata"]["resourceVersion"] = "3"
+    with caplog.at_level("ERROR"):
+        state.apply(kube_objects.POOL, bad)
+    assert "allowed-networks" in caplog.text and "not a network" in caplog.text

@@ -47,6 +47,7 @@ from msgspec import Meta
 
 from services.picker.scheduling import PolicyConfigError, build_policy
 from services.registry import crd
+from services.registry import networks as networks_module
 from services.registry.loader import Registry
 from shared.schemas import (
     Criticality,
@@ -74,6 +75,7 @@ ANNOTATIONS = {
     "scheduling-policy": "scheduling policy name (default filter-tree)",
     "scheduling-params": "JSON object of the policy's parameters (default {})",
     "reject-unknown-models": "true: unknown model names get 404 (default false)",
+    "allowed-networks": "comma-separated CIDRs pod IPs must lie in (default the private ranges)",
 }
 MODEL_NAME_ANNOTATION = f"{ANNOTATION_PREFIX}model-name"  # on an InferenceObjective
 MAX_TARGET_PORTS = 8
@@ -104,6 +106,8 @@ class PoolDef(msgspec.Struct, frozen=True):
     match_labels: Mapping[str, str]
     ports: tuple[int, ...]
     pool: InferencePool
+    networks: tuple[networks_module.IPNetwork, ...] = ()
+    networks_listed: bool = False  # from the annotation, not the defaults
 
 
 class ModelDef(msgspec.Struct, frozen=True):
@@ -201,11 +205,18 @@ def _pool(name: str, namespace: str, meta: Mapping[str, Any], spec: Mapping[str,
     if reject not in ("true", "false"):
         raise BadObject(f"metadata.annotations[{ANNOTATION_PREFIX}reject-unknown-models]",
                         f"{reject!r} is not true or false")
+    listed = options.get("allowed-networks")
+    cidrs = ([c.strip() for c in listed.split(",") if c.strip()] if listed is not None
+             else list(networks_module.DEFAULT_ALLOWED_NETWORKS))
+    networks, bad = networks_module.parse_networks(cidrs)
+    if bad or not networks:
+        raise BadObject(f"metadata.annotations[{ANNOTATION_PREFIX}allowed-networks]",
+                        bad[0][1] if bad else "lists no network")
     _convert(name, crd.ObjectName, "metadata.name")
     pool = InferencePool(name=name, target_port=numbers[0], selector=dict(labels),
                          metrics_path=metrics.path, metrics_port=metrics.port, policy=policy,
                          reject_unknown_models=reject == "true")
-    return PoolDef(namespace, labels, numbers, pool)
+    return PoolDef(namespace, labels, numbers, pool, tuple(networks), listed is not None)
 
 
 def _int_option(options: Mapping[str, str], name: str) -> int | None:
@@ -401,7 +412,7 @@ class KubeState:
                                  f"namespace {first.namespace} (KV keys carry no namespace)")
         pods = [p.defines for p in self._good.values()
                 if isinstance(p.defines, PodMember) and p.defines.ip]
-        endpoint_sets = tuple(_members(pool, pods) for pool in pools.values())
+        endpoint_sets = tuple(_members(pool, pods, conflicts) for pool in pools.values())
         models = _models(pools, by_age, conflicts)
         if frozenset(conflicts) != self._conflicts:
             for line in sorted(set(conflicts) - self._conflicts):
@@ -416,12 +427,20 @@ def _key(kind: str, obj: Mapping[str, Any]) -> Key:
     return kind, str(meta.get("namespace") or "default"), str(meta.get("name") or "")
 
 
-def _members(pool: PoolDef, pods: Iterable[PodMember]) -> EndpointSet:
+def _members(pool: PoolDef, pods: Iterable[PodMember], refused: list[str]) -> EndpointSet:
+    """The pool's endpoints: its selected, serving pods whose IPs lie in its allowed networks
+    (each pod left out for its address is added to ``refused``)."""
     endpoints: list[Endpoint] = []
     for pod in sorted(pods, key=lambda p: p.name):
         if pod.namespace != pool.namespace or pod.ip is None:
             continue
         if any(pod.labels.get(k) != v for k, v in pool.match_labels.items()):
+            continue
+        why = networks_module.refusal(pod.ip, pool.networks, explicit=pool.networks_listed,
+                                      setting=f"the {ANNOTATION_PREFIX}allowed-networks annotation")
+        if why is not None:
+            refused.append(f"Pod {pod.namespace}/{pod.name} left out of pool "
+                           f"{pool.pool.name}: {why}")
             continue
         for rank, port in enumerate(pool.ports):
             # One port keeps the pod's name; several make one endpoint per port (rank as upstream).

@@ -41,11 +41,12 @@ def _special(address: IPAddress | IPNetwork) -> str | None:
     return None
 
 
-def refusal(address: str, networks: Sequence[IPNetwork], explicit: bool) -> str | None:
+def refusal(address: str, networks: Sequence[IPNetwork], explicit: bool,
+            setting: str = "spec.allowedNetworks") -> str | None:
     """Why ``address`` may not be an endpoint under ``networks`` (None when it may).
 
-    ``explicit`` says whether the networks were listed by the pool or are the defaults (only
-    used to word the message).
+    ``explicit`` says whether the networks were listed by the pool or are the defaults, and
+    ``setting`` where they are listed (both only word the message).
     """
     try:
         ip = ipaddress.ip_address(address)
@@ -58,9 +59,9 @@ def refusal(address: str, networks: Sequence[IPNetwork], explicit: bool) -> str 
         if ip.version == network.version and ip in network and (
                 kind is None or _special(network) == kind):
             return None
-    where = "spec.allowedNetworks" if explicit else (
+    where = setting if explicit else (
         "the default allowed networks " + ", ".join(DEFAULT_ALLOWED_NETWORKS))
     if kind is not None:
-        return (f"{address} is a {kind} address; list a {kind} network in spec.allowedNetworks "
+        return (f"{address} is a {kind} address; list a {kind} network in {setting} "
                 f"(e.g. {'127.0.0.0/8' if kind == 'loopback' else '169.254.0.0/16'}) to allow it")
     return f"{address} is outside {where}"
