@@ -101,7 +101,8 @@ def _start(workdir: Path, *, subset_pods: list[int] | None = None, dead: bool = 
             _gateway(config, stack, subset, dead_address)
 
     try:
-        stack.start(3, 1, 0.5, adjust, "builtin", ("--fallbacks", str(fallbacks)))
+        stack.start(3, 1, 0.5, adjust, "builtin",
+                    ("--fallbacks", str(fallbacks)) if fallbacks else ())
     except BaseException:
         stack.close()
         raise
