@@ -12,7 +12,7 @@ from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from services.picker import epp
-from services.picker.ext_proc import DUPLEX, DUPLEX_CHUNK, Exchange, Processor
+from services.picker.ext_proc import DUPLEX, DUPLEX_CHUNK, MAX_DUPLEX_BODY, Exchange, Processor
 from services.picker.observability import PickerMetrics
 from services.picker.routing import Routed, Router
 from services.picker.state import PodTable
@@ -180,3 +180,20 @@ def test_objective_header_names_a_registered_model_whose_criticality_applies() -
     exchange.handle(headers_message(DUPLEX, {epp.OBJECTIVE_HEADERS[0]: "unknown"}))
     (shed,) = exchange.handle(body_message(b'{"model": "bulk"}', True))
     assert shed.immediate_response.status.code == 429
+
+
+def test_duplex_body_beyond_the_limit_is_answered_413_without_holding_it() -> None:
+    processor = make_processor()
+    exchange = Exchange(processor)
+    exchange.handle(headers_message(DUPLEX))
+    chunk = b" " * (1 << 20)
+    replies: tuple[pb.ProcessingResponse, ...] = ()
+    for _ in range(MAX_DUPLEX_BODY // len(chunk) + 1):
+        replies = exchange.handle(body_message(chunk, False))
+        if replies:
+            break
+    (reply,) = replies
+    assert reply.immediate_response.status.code == 413
+    error = msgspec.json.decode(reply.immediate_response.body)["error"]
+    assert (error["code"], error["type"]) == ("request_too_large", "invalid_request_error")
+    assert processor.pods.in_flight() == {}

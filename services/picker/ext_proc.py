@@ -54,6 +54,9 @@ NONE, STREAMED, BUFFERED = Mode.NONE, Mode.STREAMED, Mode.BUFFERED
 DUPLEX = Mode.FULL_DUPLEX_STREAMED
 # Body bytes per streamed body answer in FULL_DUPLEX_STREAMED mode (the reference EPP's size).
 DUPLEX_CHUNK = 62_000
+# In FULL_DUPLEX_STREAMED mode Envoy does not buffer the request body, so its 32 MiB limit (413
+# request_too_large in the shipped bootstrap) does not apply: the picker holds at most as much.
+MAX_DUPLEX_BODY = 32 * 1024 * 1024
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EVENT_STREAM = b"text/event-stream"
 REWRITE_HEADER = "x-gateway-model-rewrite"
@@ -184,6 +187,13 @@ class Processor:
             _set_header(answer.headers, "retry-after", b"1")
         return reply
 
+    def too_large(self) -> Rejected:
+        """The 413 for a streamed request body beyond :data:`MAX_DUPLEX_BODY` (counted)."""
+        rejected = reject(413, "the request body is larger than the gateway accepts (32 MiB)",
+                          "request_too_large")
+        self.metrics.count_request("", "", False, "", rejected.outcome)
+        return rejected
+
     def internal_error(self, exc: BaseException) -> pb.ProcessingResponse:
         """A 500 for a bug in the picker: logged (rate limited), counted, stream kept."""
         self._errors.warning("error handling an ext_proc message: %s",
@@ -195,7 +205,7 @@ class Processor:
 class Exchange:
     """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
 
-    __slots__ = ("_chunks", "_held_chunks", "_hold_headers", "_objective", "_p",
+    __slots__ = ("_chunks", "_held_bytes", "_held_chunks", "_hold_headers", "_objective", "_p",
                  "_reports_status", "_request_mode", "_response_buffered", "_response_mode",
                  "_rewrite_to", "_rewriter", "_served_seen", "_subset", "routed")
 
@@ -207,6 +217,7 @@ class Exchange:
         self._hold_headers = False
         self._chunks: list[bytes] = []
         self._held_chunks = 0
+        self._held_bytes = 0
         self._rewriter: ResponseRewriter | None = None
         self._rewrite_to: str | None = None  # the requested name, when the response needs it
         self._response_buffered = False
@@ -312,6 +323,10 @@ class Exchange:
 
     def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
         if self._request_mode == DUPLEX:
+            self._held_bytes += len(body.body)
+            if self._held_bytes > MAX_DUPLEX_BODY:
+                self._chunks = []
+                return (self._p.immediate(self._p.too_large()),)
             if not body.end_of_stream:
                 self._chunks.append(body.body)
                 return ()

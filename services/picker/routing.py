@@ -77,6 +77,7 @@ class _ErrorBody(msgspec.Struct):
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable_error",
