@@ -197,3 +197,12 @@ def test_duplex_body_beyond_the_limit_is_answered_413_without_holding_it() -> No
     error = msgspec.json.decode(reply.immediate_response.body)["error"]
     assert (error["code"], error["type"]) == ("request_too_large", "invalid_request_error")
     assert processor.pods.in_flight() == {}
+
+
+def test_duplex_trailers_without_a_body_are_answered_not_left_waiting() -> None:
+    exchange = Exchange(make_processor())
+    assert exchange.handle(headers_message(DUPLEX)) == ()
+    trailers = pb.ProcessingRequest()
+    trailers.request_trailers.SetInParent()
+    (reply,) = exchange.handle(trailers)
+    assert reply.immediate_response.status.code == 400  # no body: no model to route by

@@ -243,7 +243,7 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "request_trailers":
-            if self._request_mode == DUPLEX and self._chunks:
+            if self._request_mode == DUPLEX and self.routed is None:  # headers still held
                 return self._duplex_request_end(b"", with_trailers=True)
             return (self._p.request_trailers_continue,)
         if kind == "response_trailers":
