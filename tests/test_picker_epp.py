@@ -270,3 +270,62 @@ def test_objective_header_sets_the_criticality(subset_stack: Stack, header: str)
     deadline = time.monotonic() + 5
     while stack.post(body).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def _post_with_trailers(port: int, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """POST ``body`` over HTTP/2 (prior knowledge) followed by request trailers, with the
+    ``h2`` library: httpx cannot send trailers. Bounded by a 10 s socket timeout."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        connection.send_headers(1, [(":method", "POST"), (":path", "/v1/completions"),
+                                    (":scheme", "http"), (":authority", "gateway"),
+                                    ("content-type", "application/json")])
+        for start in range(0, len(body), 16_384):  # the default maximum frame size
+            connection.send_data(1, body[start:start + 16_384])
+        connection.send_headers(1, [("x-trailer", "1")], end_stream=True)
+        sock.sendall(connection.data_to_send())
+        status, headers, data = 0, {}, bytearray()
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("Envoy closed the connection")
+            for event in connection.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    headers = {k.decode(): v.decode() for k, v in event.headers}
+                    status = int(headers[":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    connection.acknowledge_received_data(event.flow_controlled_length,
+                                                         event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    return status, headers, bytes(data)
+            sock.sendall(connection.data_to_send())
+
+
+def test_full_duplex_request_with_trailers_is_routed(tmp_path: Path) -> None:
+    """The gateways' mode sends request trailers (SEND): the picker answers the held headers,
+    the body and then the trailers, in that order."""
+    stack = _start(tmp_path, body_mode="FULL_DUPLEX_STREAMED", gateway=False)
+    try:
+        assert stack.feed is not None and stack.envoy is not None
+        stack.feed.set_model("chat", target_models=[{"name": "chat-a", "weight": 1}])
+        stack.only_qualifies(1)
+        stack.settle(lambda: stack.post({"model": "chat"}).headers.get("x-upstream") == "pod-1",
+                     "pod-1 chosen for chat")
+        prompt = "t" * 40_000
+        status, headers, body = _post_with_trailers(
+            stack.envoy.listen_port, msgspec.json.encode({"model": "chat", "prompt": prompt}))
+        assert status == 200, body
+        assert headers["x-upstream"] == "pod-1"
+        assert msgspec.json.decode(body)["model"] == "chat"
+        arrived = stack.pod(1).received[-1]
+        assert msgspec.json.decode(arrived.body) == {"model": "chat-a", "prompt": prompt}
+    finally:
+        stack.close()
