@@ -165,8 +165,10 @@ def test_subset_hint_with_no_member_answers_503_in_openai_shape(subset_stack: St
 # --- fallbacks and the served endpoint -------------------------------------------------------
 
 
-def test_fallbacks_in_policy_order_and_the_served_pod_is_accounted(tmp_path: Path) -> None:
-    stack = _start(tmp_path, dead=True, fallbacks=2)
+@pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_fallbacks_in_policy_order_and_the_served_pod_is_accounted(tmp_path: Path,
+                                                                   body_mode: str) -> None:
+    stack = _start(tmp_path, dead=True, fallbacks=2, body_mode=body_mode)
     try:
         dead = stack.dead  # type: ignore[attr-defined]
         # The best pod by its metrics does not accept connections: the gateway goes down
