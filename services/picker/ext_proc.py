@@ -18,6 +18,12 @@ messages. (A stream that starts with request headers carrying ``x-gateway-model-
 earlier bootstraps sent, and an Envoy that sends response headers on the routing stream itself
 get the same treatment.)
 
+Behind a Gateway API gateway the same stream speaks the endpoint picker protocol
+(:mod:`services.picker.epp`): the subset hint limits the pick, the destination names fallbacks,
+the served endpoint reported with the response moves the request's accounting, and in
+FULL_DUPLEX_STREAMED mode the held headers answer is followed by the body sent back in
+streamed chunks (then the trailers), and every response chunk comes back the same way.
+
 :class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
 :class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`services.picker.http2`), and
 :class:`ExternalProcessor` is the grpc.aio servicer around it.
