@@ -15,7 +15,13 @@ baseline listener routing to the same upstreams on a static route. A bounded loa
 Targets (from the picker issue): picker CPU <= 400 us per request; added p50 <= 1.5 ms at
 300 requests/s; >= 1,000 requests/s through one Envoy and one picker process.
 
-Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]``.
+With ``--compare-body-modes`` it measures instead the routing filter's body modes (BUFFERED,
+the shipped one; STREAMED; FULL_DUPLEX_STREAMED, as Gateway API gateways run an endpoint picker),
+each through its own Envoy in front of the same picker process, closed and open loop, plain and
+rewritten requests, and prints each mode's ratio to BUFFERED measured in the same run.
+
+Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]
+[--compare-body-modes]``.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.picker.envoy_config import PickerEndpoint, envoy_config
+from services.picker.envoy_config import BODY_MODES, PickerEndpoint, envoy_config
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
@@ -206,8 +212,10 @@ def cpu_seconds(pid: int) -> float:
 class Stack:
     """NATS, upstream processes, one picker, one Envoy with gateway and baseline listeners."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, body_modes: bool = False) -> None:
         self.workdir = workdir
+        self.body_modes = body_modes  # one Envoy per body mode, instead of the usual parts
+        self.mode_envoys: dict[str, EnvoyProcess] = {}
         self.nats = NatsServer(workdir / "jetstream")
         self.upstream_ports = [free_port() for _ in range(PODS)]
         self.upstreams: list[subprocess.Popen[bytes]] = []
@@ -240,6 +248,13 @@ class Stack:
             self.feed.set_metrics(name, address, waiting=1, running=4, kv_cache_usage=0.3)
         self.picker = PickerProcess(POOL, self.nats.url, self.workdir,
                                     log_level="WARNING").start().wait_ready()
+        if self.body_modes:
+            for body_mode in BODY_MODES:
+                self.mode_envoys[body_mode] = EnvoyProcess(envoy_config(
+                    listener_port=free_port(), admin_port=free_port(),
+                    pickers=[self.picker.endpoint], listener_host="127.0.0.1",
+                    body_mode=body_mode), self.workdir).start()
+            return self
         config = envoy_config(listener_port=free_port(), admin_port=free_port(),
                               pickers=[self.picker.endpoint], listener_host="127.0.0.1")
         add_baseline_listener(config, self.baseline_port, self.upstream_ports)
@@ -260,7 +275,8 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        for part in (self.envoy, self.aio_envoy, self.floor_envoy, self.picker, self.aio_picker):
+        for part in (self.envoy, self.aio_envoy, self.floor_envoy, *self.mode_envoys.values(),
+                     self.picker, self.aio_picker):
             if part is not None:
                 part.stop()
         if self.floor is not None:
@@ -362,13 +378,17 @@ class Sample(msgspec.Struct):
 
 async def measure(stack: Stack, target: str, mode: str, payload: bytes,
                   args: argparse.Namespace) -> Sample:
-    assert stack.envoy is not None and stack.picker is not None
-    assert stack.aio_envoy is not None and stack.aio_picker is not None
-    assert stack.floor_envoy is not None and stack.floor is not None
-    port, pid = {"picker": (stack.envoy.listen_port, stack.picker.pid),
-                 "baseline": (stack.baseline_port, 0),
-                 "picker-aio": (stack.aio_envoy.listen_port, stack.aio_picker.pid),
-                 "floor": (stack.floor_envoy.listen_port, stack.floor.pid)}[target]
+    assert stack.picker is not None
+    if target in stack.mode_envoys:
+        port, pid = stack.mode_envoys[target].listen_port, stack.picker.pid
+    else:
+        assert stack.envoy is not None
+        assert stack.aio_envoy is not None and stack.aio_picker is not None
+        assert stack.floor_envoy is not None and stack.floor is not None
+        port, pid = {"picker": (stack.envoy.listen_port, stack.picker.pid),
+                     "baseline": (stack.baseline_port, 0),
+                     "picker-aio": (stack.aio_envoy.listen_port, stack.aio_picker.pid),
+                     "floor": (stack.floor_envoy.listen_port, stack.floor.pid)}[target]
     cpu_before = cpu_seconds(pid) if pid else 0.0
     if mode == "closed":
         result = await closed_loop(port, payload, args.connections, args.duration,
@@ -385,7 +405,51 @@ def median(samples: list[Sample], field: str) -> float:
     return statistics.median(getattr(sample, field) for sample in samples)
 
 
+async def run_body_modes(args: argparse.Namespace) -> int:
+    """Each body mode through its own Envoy in front of one picker, rounds interleaved."""
+    with tempfile.TemporaryDirectory() as workdir:
+        stack = Stack(Path(workdir), body_modes=True).start()
+        try:
+            plain, alias = request_bytes("bench-model"), request_bytes("bench-alias")
+            for envoy in stack.mode_envoys.values():
+                await closed_loop(envoy.listen_port, plain, 4, 1.0, 500)
+            results: dict[str, list[Sample]] = {}
+            for _ in range(args.rounds):
+                for body_mode in BODY_MODES:
+                    for label, mode, payload in (("closed", "closed", plain),
+                                                 ("closed, rewritten", "closed", alias),
+                                                 ("open", "open", plain)):
+                        results.setdefault(f"{body_mode} {label}", []).append(
+                            await measure(stack, body_mode, mode, payload, args))
+        finally:
+            stack.stop()
+    print(f"bench_picker --compare-body-modes: medians of {args.rounds} rounds, "
+          f"{args.duration:.0f} s each; closed loop {args.connections} connections, open loop "
+          f"{args.rate:.0f} req/s")
+    print(f"{'run':40} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'picker CPU us/req':>18} "
+          f"{'failed':>7}")
+    for name, samples in results.items():
+        print(f"{name:40} {median(samples, 'rate'):8.0f} {median(samples, 'p50_ms'):8.2f} "
+              f"{median(samples, 'p99_ms'):8.2f} {median(samples, 'picker_cpu_us'):18.0f} "
+              f"{sum(s.failed for s in samples):7d}")
+    base = BODY_MODES[0]
+    for body_mode in BODY_MODES[1:]:
+        for label in ("closed", "closed, rewritten"):
+            rate = (median(results[f"{body_mode} {label}"], "rate")
+                    / median(results[f"{base} {label}"], "rate"))
+            cpu = (median(results[f"{body_mode} {label}"], "picker_cpu_us")
+                   / median(results[f"{base} {label}"], "picker_cpu_us"))
+            print(f"{body_mode} / {base} ({label}): throughput {rate:.2f}x, picker CPU per "
+                  f"request {cpu:.2f}x")
+        p50 = (median(results[f"{body_mode} open"], "p50_ms")
+               / median(results[f"{base} open"], "p50_ms"))
+        print(f"{body_mode} / {base} (open loop): p50 {p50:.2f}x")
+    return 0
+
+
 async def run(args: argparse.Namespace) -> int:
+    if args.compare_body_modes:
+        return await run_body_modes(args)
     with tempfile.TemporaryDirectory() as workdir:
         stack = Stack(Path(workdir)).start()
         try:
@@ -453,6 +517,9 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=300.0, help="open-loop requests/s")
     parser.add_argument("--max-requests", type=int, default=50_000,
                         help="cap per closed-loop run")
+    parser.add_argument("--compare-body-modes", action="store_true",
+                        help="measure the routing filter's body modes against each other "
+                        "(BUFFERED, STREAMED, FULL_DUPLEX_STREAMED) instead")
     parser.add_argument("--serve-constant-answers", nargs=2, metavar=("PORT", "DESTINATION"),
                         help=argparse.SUPPRESS)  # the floor server's own process
     args = parser.parse_args()

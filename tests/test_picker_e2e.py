@@ -57,12 +57,13 @@ class Stack:
         self.client = httpx.Client(timeout=10)
 
     def start(self, pods: int, pickers: int, stale_after: float,
-              adjust: Callable[[dict[str, Any]], None] | None, server: str) -> Stack:
+              adjust: Callable[[dict[str, Any]], None] | None, server: str,
+              picker_args: tuple[str, ...] = ()) -> Stack:
         self.nats.start()
         self.upstreams = [UpstreamServer(f"pod-{i}", free_port()).start() for i in range(pods)]
         self.feed = FleetFeed(self.nats.url, POOL, interval=0.1).start()
         self.pickers = [PickerProcess(POOL, self.nats.url, self.workdir, stale_after=stale_after,
-                                      extra_args=("--server", server)).start()
+                                      extra_args=("--server", server, *picker_args)).start()
                         for _ in range(pickers)]
         self.reset()
         for picker in self.pickers:

@@ -112,3 +112,30 @@ def test_response_timeout_is_rendered_as_the_routes_idle_limit_per_try(tmp_path:
     assert validate(path).returncode == 0
     with pytest.raises(ValueError):
         envoy_config(listener_port=1, admin_port=2, pickers=[("h", 1, 2)], response_timeout=0)
+
+
+@pytest.mark.parametrize("body_mode", ["BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED"])
+def test_each_body_mode_renders_a_valid_bootstrap(tmp_path: Path, body_mode: str) -> None:
+    config = envoy_config(listener_port=18080, admin_port=19901,
+                          pickers=[PickerEndpoint("127.0.0.1")], body_mode=body_mode)
+    mode = ext_proc_filter(config)["processing_mode"]
+    assert mode["request_body_mode"] == body_mode
+    names = [f["name"] for f in config["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]["http_filters"]]
+    if body_mode == "FULL_DUPLEX_STREAMED":
+        # The routing stream sees the whole response and puts the model back itself.
+        assert mode["response_body_mode"] == body_mode
+        assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
+        assert "lig.response_rewrite" not in names
+    else:
+        assert mode["response_body_mode"] == "NONE"
+        assert "lig.response_rewrite" in names
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_envoy_config(listener_port=18080, admin_port=19901,
+                                        pickers=[PickerEndpoint("127.0.0.1")],
+                                        body_mode=body_mode))
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with pytest.raises(ValueError, match="unknown body mode"):
+        envoy_config(listener_port=1, admin_port=2, pickers=[PickerEndpoint("h")],
+                     body_mode="GRPC")

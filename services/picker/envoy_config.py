@@ -16,6 +16,12 @@ import yaml
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# How the routing filter sends bodies to the picker (``body_mode``): BUFFERED (the shipped one,
+# measured fastest: bench/bench_picker.py --body-mode), STREAMED (the picker turns the request
+# body into BUFFERED with a mode override), FULL_DUPLEX_STREAMED (as Gateway API gateways and
+# llm-d run an endpoint picker: request and response bodies stream through the picker).
+BODY_MODES = ("BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED")
+_RESPONSE_REWRITE_FILTERS = ("lig.response_rewrite", "lig.response_rewrite_events")
 
 
 class PickerEndpoint(msgspec.Struct, frozen=True):
@@ -45,12 +51,14 @@ def envoy_config(
     destination_header: str = DESTINATION_HEADER,
     picker_tls: PickerTls | None = None,
     response_timeout: float | None = None,
+    body_mode: str = "BUFFERED",
     template: Path = TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap as a dict; pickers as :class:`PickerEndpoint` or ``(host, grpc, health)``.
 
     ``response_timeout``: seconds a model server may send nothing (before its response starts,
     or within a stream) before Envoy answers 504; None keeps the template's (120 s).
+    ``body_mode``: one of :data:`BODY_MODES` for the routing filter (see :func:`use_body_mode`).
     """
     if not pickers:
         raise ValueError("Envoy needs at least one picker")
@@ -85,7 +93,27 @@ def envoy_config(
         route = _named(_gateway_manager(config)["route_config"]["virtual_hosts"],
                        "model_servers")["routes"][0]["route"]
         route["retry_policy"]["per_try_idle_timeout"] = f"{response_timeout:g}s"
+    use_body_mode(config, body_mode)
     return config
+
+
+def use_body_mode(config: dict[str, Any], body_mode: str) -> None:
+    """Set the routing filter's body mode. FULL_DUPLEX_STREAMED also streams the response
+    through the routing stream (headers, body and trailers SEND, as the Inference Extension's
+    gateways configure it; Envoy allows no mode override then), so the picker puts the
+    requested model name back itself and the response-rewrite filters go."""
+    if body_mode not in BODY_MODES:
+        raise ValueError(f"unknown body mode {body_mode!r}; one of {', '.join(BODY_MODES)}")
+    routing = ext_proc_filter(config)
+    mode = routing["processing_mode"]
+    mode["request_body_mode"] = body_mode
+    if body_mode != "FULL_DUPLEX_STREAMED":
+        return
+    mode.update(response_header_mode="SEND", response_body_mode=body_mode,
+                request_trailer_mode="SEND", response_trailer_mode="SEND")
+    routing["allow_mode_override"] = False
+    filters = _gateway_manager(config)["http_filters"]
+    filters[:] = [f for f in filters if f.get("name") not in _RESPONSE_REWRITE_FILTERS]
 
 
 def _use_tls(cluster: dict[str, Any], tls: PickerTls) -> None:

@@ -18,6 +18,12 @@ messages. (A stream that starts with request headers carrying ``x-gateway-model-
 earlier bootstraps sent, and an Envoy that sends response headers on the routing stream itself
 get the same treatment.)
 
+Behind a Gateway API gateway the same stream speaks the endpoint picker protocol
+(:mod:`services.picker.epp`): the subset hint limits the pick, the destination names fallbacks,
+the served endpoint reported with the response moves the request's accounting, and in
+FULL_DUPLEX_STREAMED mode the held headers answer is followed by the body sent back in
+streamed chunks (then the trailers), and every response chunk comes back the same way.
+
 :class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
 :class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`services.picker.http2`), and
 :class:`ExternalProcessor` is the grpc.aio servicer around it.
@@ -33,12 +39,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 
+from services.picker import epp
 from services.picker.observability import PickerMetrics
 from services.picker.responses import ResponseRewriter
 from services.picker.routing import Rejected, Routed, Router, reject
@@ -49,6 +57,12 @@ log = logging.getLogger("lig.picker.ext_proc")
 
 Mode = processing_mode_pb2.ProcessingMode
 NONE, STREAMED, BUFFERED = Mode.NONE, Mode.STREAMED, Mode.BUFFERED
+DUPLEX = Mode.FULL_DUPLEX_STREAMED
+# Body bytes per streamed body answer in FULL_DUPLEX_STREAMED mode (the reference EPP's size).
+DUPLEX_CHUNK = 62_000
+# In FULL_DUPLEX_STREAMED mode Envoy does not buffer the request body, so its 32 MiB limit (413
+# request_too_large in the shipped bootstrap) does not apply: the picker holds at most as much.
+MAX_DUPLEX_BODY = 32 * 1024 * 1024
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EVENT_STREAM = b"text/event-stream"
 REWRITE_HEADER = "x-gateway-model-rewrite"
@@ -112,10 +126,15 @@ class Processor:
             self._headers_overridden[key] = reply
         return reply
 
-    def route(self, body: bytes | None) -> Routed | Rejected:
-        """Route one request (``None``: it has no body), counting the outcome."""
+    def route(self, body: bytes | None, subset: frozenset[str] | None = None,
+              objective: str | None = None) -> Routed | Rejected:
+        """Route one request (``None``: it has no body), counting the outcome; ``subset`` and
+        ``objective`` as :meth:`Router.route` takes them."""
         start = self._clock()
-        result = self.router.route(body) if body is not None else self.router.route_bodiless()
+        if body is not None:
+            result = self.router.route(body, subset, objective)
+        else:
+            result = self.router.route_bodiless(subset)
         self.metrics.decision_seconds.observe(self._clock() - start)
         if isinstance(result, Routed):
             self.pods.started(result.pod)
@@ -128,9 +147,12 @@ class Processor:
 
     def set_destination(self, reply: pb.ProcessingResponse, common: pb.CommonResponse,
                         routed: Routed) -> None:
-        """Destination header, ``envoy.lb`` metadata, and the new body's content-length."""
+        """Destination header, ``envoy.lb`` metadata (both ``primary,fallback,...``), and the
+        new body's content-length."""
         mutation = common.header_mutation
-        _set_header(mutation, self.header, routed.endpoint.encode())
+        destination = (",".join((routed.endpoint, *routed.fallbacks)) if routed.fallbacks
+                       else routed.endpoint)
+        _set_header(mutation, self.header, destination.encode())
         if routed.body is not None:
             _set_header(mutation, "content-length", str(len(routed.body)).encode())
             _set_header(mutation, REWRITE_HEADER,
@@ -140,8 +162,24 @@ class Processor:
         else:  # a client-supplied value must not switch the response rewrite on
             mutation.remove_headers.append(REWRITE_HEADER)
         common.clear_route_cache = True
-        lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
-        lb.fields[self.header].string_value = routed.endpoint
+        lb = reply.dynamic_metadata.fields[epp.LB_NAMESPACE].struct_value
+        lb.fields[self.header].string_value = destination
+
+    def served(self, routed: Routed, served: str) -> Routed:
+        """The gateway reports that ``served`` (``ip:port``) answered the request routed as
+        ``routed``: when that is another member (a fallback), the request is accounted to it
+        from now on; the decision to account for is returned."""
+        if served == routed.endpoint:
+            return routed
+        member = self.pods.member_at(served)
+        if member is None:
+            self._errors.warning("the gateway reports endpoint %s served a request, but it is no "
+                                 "member of the pool; it stays accounted to %s", served,
+                                 routed.pod)
+            return routed
+        self.pods.served_elsewhere(routed.pod, member.name)
+        self.metrics.count_served_elsewhere()
+        return msgspec.structs.replace(routed, pod=member.name, endpoint=served)
 
     def immediate(self, rejected: Rejected) -> pb.ProcessingResponse:
         """The ImmediateResponse answering the client with ``rejected``'s status and body."""
@@ -155,6 +193,13 @@ class Processor:
             _set_header(answer.headers, "retry-after", b"1")
         return reply
 
+    def too_large(self) -> Rejected:
+        """The 413 for a streamed request body beyond :data:`MAX_DUPLEX_BODY` (counted)."""
+        rejected = reject(413, "the request body is larger than the gateway accepts (32 MiB)",
+                          "request_too_large")
+        self.metrics.count_request("", "", False, "", rejected.outcome)
+        return rejected
+
     def internal_error(self, exc: BaseException) -> pb.ProcessingResponse:
         """A 500 for a bug in the picker: logged (rate limited), counted, stream kept."""
         self._errors.warning("error handling an ext_proc message: %s",
@@ -166,9 +211,9 @@ class Processor:
 class Exchange:
     """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
 
-    __slots__ = ("_chunks", "_held_chunks", "_hold_headers", "_p", "_reports_status",
-                 "_request_mode", "_response_buffered", "_response_mode", "_rewrite_to",
-                 "_rewriter", "routed")
+    __slots__ = ("_chunks", "_held_bytes", "_held_chunks", "_hold_headers", "_objective", "_p",
+                 "_reports_status", "_request_mode", "_response_buffered", "_response_mode",
+                 "_rewrite_to", "_rewriter", "_served_seen", "_subset", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
@@ -178,10 +223,14 @@ class Exchange:
         self._hold_headers = False
         self._chunks: list[bytes] = []
         self._held_chunks = 0
+        self._held_bytes = 0
         self._rewriter: ResponseRewriter | None = None
         self._rewrite_to: str | None = None  # the requested name, when the response needs it
         self._response_buffered = False
         self._reports_status = False  # Envoy sends this stream the response headers for it
+        self._subset: frozenset[str] | None = None  # the gateway's subset hint
+        self._objective: str | None = None  # the InferenceObjective the request names
+        self._served_seen = False
 
     def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
         """The answers to ``message`` (none while its answer must wait for more body)."""
@@ -190,6 +239,9 @@ class Exchange:
             return self._request_body(message.request_body)
         if kind == "request_headers":
             return self._request_headers(message)
+        if not self._served_seen and self.routed is not None and message.HasField(
+                "metadata_context"):
+            self._take_served(message.metadata_context)
         if kind == "response_headers":
             if self._rewrite_to is None and message.HasField("protocol_config"):
                 self._start_with_response(message)  # a response-rewrite filter's stream
@@ -197,10 +249,20 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "request_trailers":
+            if self._request_mode == DUPLEX and self.routed is None:  # headers still held
+                return self._duplex_request_end(b"", with_trailers=True)
             return (self._p.request_trailers_continue,)
         if kind == "response_trailers":
+            if self._response_mode == DUPLEX and self._rewriter is not None:
+                return self._duplex_response_end()
             return (self._p.response_trailers_continue,)
         return ()
+
+    def _take_served(self, metadata: base_pb2.Metadata) -> None:
+        served = epp.served_endpoint(metadata)
+        if served is not None and self.routed is not None:
+            self._served_seen = True
+            self.routed = self._p.served(self.routed, served)
 
     def close(self) -> None:
         """The stream ended: the request is no longer in flight; count its token usage."""
@@ -221,15 +283,21 @@ class Exchange:
             config = message.protocol_config
             self._request_mode = config.request_body_mode
             self._response_mode = config.response_body_mode
-            self._hold_headers = (config.send_body_without_waiting_for_header_response
-                                  and config.request_body_mode == STREAMED)
+            # FULL_DUPLEX_STREAMED sends the body without waiting, too; the headers answer
+            # carries the destination, so it waits for the whole body.
+            self._hold_headers = config.request_body_mode == DUPLEX or (
+                config.send_body_without_waiting_for_header_response
+                and config.request_body_mode == STREAMED)
+        if message.HasField("metadata_context"):
+            self._subset = epp.subset_hint(message.metadata_context)
+        self._objective = epp.objective(message.request_headers)
         if self._request_mode == NONE:
             requested = _header(message.request_headers, REWRITE_HEADER)
             if requested is not None:  # the response-rewrite filter's stream
                 self._rewrite_to = urllib.parse.unquote(requested.decode(errors="replace"))
                 return (self._p.rewrite_headers_continue,)
         if message.request_headers.end_of_stream or self._request_mode == NONE:
-            return (self._answer_headers_with(self._p.route(None)),)
+            return (self._answer_headers_with(self._p.route(None, self._subset)),)
         if self._hold_headers:
             return ()
         self._reports_status = self._p.pods.wants_outcome()
@@ -260,6 +328,15 @@ class Exchange:
         self._rewrite_to = routed.model if routed.body is not None else None
 
     def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+        if self._request_mode == DUPLEX:
+            self._held_bytes += len(body.body)
+            if self._held_bytes > MAX_DUPLEX_BODY:
+                self._chunks = []
+                return (self._p.immediate(self._p.too_large()),)
+            if not body.end_of_stream:
+                self._chunks.append(body.body)
+                return ()
+            return self._duplex_request_end(body.body, with_trailers=False)
         if self._request_mode != STREAMED:
             return self._answer_body(body.body, 1)
         self._chunks.append(body.body)
@@ -270,8 +347,28 @@ class Exchange:
         self._chunks = []
         return self._answer_body(whole, self._held_chunks)
 
+    def _duplex_request_end(self, last: bytes, with_trailers: bool
+                            ) -> tuple[pb.ProcessingResponse, ...]:
+        """FULL_DUPLEX_STREAMED: the whole body is here (its last chunk, or the trailers that
+        follow it). Answer in the order Envoy requires: the headers (with the destination),
+        the body sent back as streamed chunks (rewritten when the model was), then the
+        trailers."""
+        self._chunks.append(last)
+        whole = b"".join(self._chunks)
+        self._chunks = []
+        result = self._p.route(whole, self._subset, self._objective)
+        if isinstance(result, Rejected):
+            return (self._p.immediate(result),)
+        replies = [self._answer_headers_with(result)]
+        self._reports_status = self._p.pods.wants_outcome()
+        replies.extend(_streamed_bodies(
+            result.body if result.body is not None else whole, not with_trailers, request=True))
+        if with_trailers:
+            replies.append(self._p.request_trailers_continue)
+        return tuple(replies)
+
     def _answer_body(self, body: bytes, chunks: int) -> tuple[pb.ProcessingResponse, ...]:
-        result = self._p.route(body)
+        result = self._p.route(body, self._subset, self._objective)
         if isinstance(result, Rejected):
             return (self._p.immediate(result),)
         self._take(result)
@@ -313,6 +410,8 @@ class Exchange:
                 self._rewrite_to = requested.string_value
 
     def _response_headers(self, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, ...]:
+        if self._response_mode == DUPLEX:
+            return self._duplex_response_headers(headers)
         if self._reports_status:
             self._reports_status = False
             if self.routed is not None:
@@ -343,7 +442,38 @@ class Exchange:
             common.SetInParent()
         return (reply,)
 
+    def _duplex_response_headers(self, headers: pb.HttpHeaders
+                                 ) -> tuple[pb.ProcessingResponse, ...]:
+        """FULL_DUPLEX_STREAMED response: every body chunk must come back through the picker,
+        so a rewriter (a pass-through one reading usage, unless the model is put back) always
+        runs; its chunks change length when rewriting, so Envoy frames the body then."""
+        if self._reports_status and self.routed is not None:
+            self._reports_status = False
+            self._p.pods.responded(self.routed.pod, _status(headers))
+        if headers.end_of_stream:
+            return (self._p.response_headers_continue,)
+        self._rewriter = ResponseRewriter(self._rewrite_to, _is_event_stream(headers))
+        if self._rewrite_to is None:
+            return (self._p.response_headers_continue,)
+        reply = pb.ProcessingResponse()
+        reply.response_headers.response.header_mutation.remove_headers.append("content-length")
+        return (reply,)
+
+    def _duplex_response_end(self) -> tuple[pb.ProcessingResponse, ...]:
+        """Response trailers after a body whose last chunk did not end the stream: whatever
+        the rewriter holds goes out before the trailers' answer."""
+        assert self._rewriter is not None
+        held = self._rewriter.feed(b"", True) or b""
+        replies = list(_streamed_bodies(held, False, request=False)) if held else []
+        replies.append(self._p.response_trailers_continue)
+        return tuple(replies)
+
     def _response_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+        if self._response_mode == DUPLEX:
+            new = (self._rewriter.feed(body.body, body.end_of_stream)
+                   if self._rewriter is not None else None)
+            return _streamed_bodies(body.body if new is None else new, body.end_of_stream,
+                                    request=False)
         rewriter = self._rewriter
         if rewriter is None:
             return (self._p.response_body_continue,)
@@ -359,6 +489,22 @@ class Exchange:
         if self._response_buffered and body.end_of_stream:
             _set_header(common.header_mutation, "content-length", str(len(new)).encode())
         return (reply,)
+
+
+def _streamed_bodies(body: bytes, end_of_stream: bool, *, request: bool
+                     ) -> tuple[pb.ProcessingResponse, ...]:
+    """``body`` as FULL_DUPLEX_STREAMED body answers (streamed body mutations of at most
+    :data:`DUPLEX_CHUNK` bytes; ``end_of_stream`` on the last); one empty answer for an
+    empty body."""
+    replies = []
+    for start in range(0, max(len(body), 1), DUPLEX_CHUNK):
+        reply = pb.ProcessingResponse()
+        answer = reply.request_body if request else reply.response_body
+        streamed = answer.response.body_mutation.streamed_response
+        streamed.body = body[start:start + DUPLEX_CHUNK]
+        streamed.end_of_stream = end_of_stream and start + DUPLEX_CHUNK >= len(body)
+        replies.append(reply)
+    return tuple(replies)
 
 
 def _header(headers: pb.HttpHeaders, key: str) -> bytes | None:

@@ -106,11 +106,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "recent responses are mostly 5xx is gray. 0 never asks")
     parser.add_argument("--destination-header", default="x-gateway-destination-endpoint",
                         help="request header naming the chosen pod (ip:port) for Envoy")
+    parser.add_argument("--fallbacks", type=_non_negative, default=0, metavar="N",
+                        help="endpoint picker protocol: name up to N fallback pods after the "
+                        "chosen one, in policy order, in the destination header and envoy.lb "
+                        "metadata (ip:port,ip:port,...), for a gateway that retries down the "
+                        "list. 0 (the default, as the reference picker's maxNumOfEndpoints=1) "
+                        "names only the chosen pod, which is what an ORIGINAL_DST cluster "
+                        "(the shipped Envoy bootstrap) can route")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for the random choices (reproducible runs)")
     add_tls_arguments(parser)
     add_nats_arguments(parser)
     add_logging_arguments(parser)
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -258,7 +273,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
                     gray=GrayPods(args.gray_after, args.outcome_sample,
                                   on_exclude=lambda pod, reason:
                                   metrics.gray_exclusions.labels(pod, reason).inc()))
-    router = Router(args.pool, pods, random.Random(args.seed), on_all_stale=metrics.all_stale.inc)
+    router = Router(args.pool, pods, random.Random(args.seed),
+                    on_all_stale=metrics.all_stale.inc,
+                    fallbacks=args.fallbacks)
     processor = Processor(router, pods, metrics, args.destination_header)
 
     tls: TlsFiles | None = args.tls

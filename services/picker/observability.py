@@ -70,6 +70,10 @@ class PickerMetrics:
             "lig_picker_http2_errors", "Connections the built-in ext_proc server closed for a "
             "protocol error, by kind (an HTTP/2 error code name, or PREFACE_TIMEOUT)", ["kind"],
             registry=registry)
+        self.served_elsewhere = Counter(
+            "lig_picker_served_elsewhere", "Requests the gateway reports as served by another "
+            "pod than the picker's primary choice (it went down the fallback list); they are "
+            "accounted to the pod that served them", registry=registry)
         self.ready = Gauge(
             "lig_picker_ready", "1 once registry state and a metric snapshot have arrived",
             registry=registry, multiprocess_mode="livemin")
@@ -87,6 +91,10 @@ class PickerMetrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(*key)
         child.inc()
+
+    def count_served_elsewhere(self) -> None:
+        """Count one request a gateway served from a fallback endpoint."""
+        self.served_elsewhere.inc()
 
     def count_http2_error(self, kind: str) -> None:
         """Count one connection closed by the built-in HTTP/2 server for a protocol error."""

@@ -41,7 +41,8 @@ _BOM = b"\xef\xbb\xbf"  # RFC 8259 lets a parser ignore it; Python's json (vLLM'
 
 
 class Routed(msgspec.Struct, frozen=True):
-    """Send the request to ``endpoint`` (``ip:port``), with ``body`` replacing it when not None."""
+    """Send the request to ``endpoint`` (``ip:port``), with ``body`` replacing it when not None;
+    ``fallbacks`` are the next endpoints to try, in policy order (endpoint picker protocol)."""
 
     pod: str
     endpoint: str
@@ -49,6 +50,7 @@ class Routed(msgspec.Struct, frozen=True):
     target_model: str
     registered: bool
     body: bytes | None = None
+    fallbacks: tuple[str, ...] = ()
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -75,6 +77,7 @@ class _ErrorBody(msgspec.Struct):
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable_error",
@@ -126,8 +129,9 @@ class Router:
     """Routes the requests of one pool, from the registry state and the pod table."""
 
     def __init__(self, pool: str, pods: PodTable, rng: random.Random,
-                 on_all_stale: Callable[[], None] = lambda: None) -> None:
+                 on_all_stale: Callable[[], None] = lambda: None, fallbacks: int = 0) -> None:
         self.pool_name = pool
+        self.fallbacks = fallbacks
         self.pods = pods
         self._rng = rng
         self._pool: InferencePool | None = None
@@ -180,10 +184,15 @@ class Router:
                 log.info("pool %s: using policy %s", self.pool_name, config.name)
             self._policy_config = config
 
-    def route(self, body: bytes) -> Routed | Rejected:
+    def route(self, body: bytes, subset: frozenset[str] | None = None,
+              objective: str | None = None) -> Routed | Rejected:
         """Decide where a request with this JSON ``body`` goes.
 
-        Every client mistake in ``body`` is a 400 :class:`Rejected` (never an exception).
+        ``subset``: the gateway's subset hint (``ip:port`` set; None: every member); only its
+        members may be picked. ``objective``: a registered model of this pool whose criticality
+        applies instead of the requested model's (the InferenceObjective header; an unknown
+        name is ignored). Every client mistake in ``body`` is a 400 :class:`Rejected` (never an
+        exception).
         """
         fields = _request_fields(body)
         if isinstance(fields, Rejected):
@@ -200,50 +209,89 @@ class Router:
             target, criticality = requested, Criticality.STANDARD
         else:
             target, criticality = route.draw(self._rng), route.criticality
+        if objective is not None:
+            named = self._models.get(objective)
+            if named is not None:
+                criticality = named.criticality
         registered = route is not None
         request = SchedulingRequest(requested, target, criticality)
-        pick = self._choose(request)
-        if isinstance(pick, Rejected):
-            return Rejected(pick.status, pick.outcome, pick.body, requested, target, registered)
+        choice = self._choose(request, subset)
+        if isinstance(choice, Rejected):
+            return Rejected(choice.status, choice.outcome, choice.body, requested, target,
+                            registered)
+        pick, fallbacks = choice
         new_body = None
         if target != requested:
             new_body = rewrite_model(body, target)
             if isinstance(new_body, Rejected):
                 return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
                                 target, registered)
-        return Routed(pick.name, pick.address, requested, target, registered, new_body)
+        return Routed(pick.name, pick.address, requested, target, registered, new_body,
+                      fallbacks)
 
-    def route_bodiless(self) -> Routed | Rejected:
-        """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod."""
-        fresh = self.pods.fresh_views()
+    def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Rejected:
+        """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod (of the
+        ``subset`` hint, when given)."""
+        fresh = _in_subset(self.pods.fresh_views(), subset)
         if fresh:
             pick = fresh[self._rng.randrange(len(fresh))]
             return Routed(pick.name, pick.address, "", "", False)
-        endpoints = self.pods.endpoints
+        endpoints = [e for e in self.pods.endpoints if subset is None or e.hostport in subset]
         if not endpoints:
-            return self._no_endpoint()
+            return self._no_endpoint() if subset is None else self._none_in_subset()
         endpoint = endpoints[self._rng.randrange(len(endpoints))]
         return Routed(endpoint.name, endpoint.hostport, "", "", False)
 
-    def _choose(self, request: SchedulingRequest) -> PodView | Rejected:
-        pods = self.pods.fresh_views()
+    def _choose(self, request: SchedulingRequest, subset: frozenset[str] | None
+                ) -> tuple[PodView, tuple[str, ...]] | Rejected:
+        pods = _in_subset(self.pods.fresh_views(), subset)
         if not pods:
-            return self._any_endpoint()
+            if subset is not None and self.pods.endpoints:
+                members = [e for e in self.pods.endpoints if e.hostport in subset]
+                if not members:
+                    return self._none_in_subset()
+            chosen = self._any_endpoint(subset)
+            return chosen if isinstance(chosen, Rejected) else (chosen, ())
         explain = log.isEnabledFor(logging.DEBUG)
         decision = self._policy.schedule(request, pods, explain=explain)
         if explain:
             _log_decision(request, decision)
         if decision.pick is not None:
-            return decision.pick
+            return decision.pick, self._fallbacks(request, pods, decision)
         if decision.shed:
             return reject(429, f"pool {self._quoted_pool} is saturated; sheddable request "
                           "dropped", "pool_saturated")
         return reject(503, f"no pod of pool {self._quoted_pool} can take the request",
                       "no_ready_endpoint")
 
-    def _any_endpoint(self) -> PodView | Rejected:
+    def _fallbacks(self, request: SchedulingRequest, pods: Sequence[PodView],
+                   decision: Decision) -> tuple[str, ...]:
+        """Up to ``self.fallbacks`` endpoints after the pick, in policy order: the policy runs
+        again over the pods not yet listed, so each fallback is the next-best decision (the
+        pick's fellow survivors of the filter tree usually come first, as they still pass)."""
+        wanted = self.fallbacks
+        if wanted <= 0 or decision.pick is None:
+            return ()
+        listed = {decision.pick.name}
+        order: list[str] = []
+        while len(order) < wanted:
+            rest = [pod for pod in pods if pod.name not in listed]
+            if not rest:
+                break
+            pick = self._policy.schedule(request, rest).pick
+            if pick is None:  # the rest would shed this request or cannot take it
+                break
+            listed.add(pick.name)
+            order.append(pick.address)
+        return tuple(order)
+
+    def _none_in_subset(self) -> Rejected:
+        return reject(503, f"no endpoint of the gateway's subset hint is eligible in pool "
+                      f"{self._quoted_pool}", "no_eligible_endpoint_in_subset")
+
+    def _any_endpoint(self, subset: frozenset[str] | None = None) -> PodView | Rejected:
         """Every member is stale (or none reported yet): pick uniformly among the members."""
-        endpoints = self.pods.endpoints
+        endpoints = [e for e in self.pods.endpoints if subset is None or e.hostport in subset]
         if not endpoints:
             return self._no_endpoint()
         self._on_all_stale()
@@ -256,6 +304,13 @@ class Router:
     def _no_endpoint(self) -> Rejected:
         return reject(503, f"pool {self._quoted_pool} has no ready endpoint",
                       "no_ready_endpoint")
+
+
+def _in_subset(pods: list[PodView], subset: frozenset[str] | None) -> list[PodView]:
+    """``pods`` whose ``ip:port`` is in the subset hint (all of them without a hint)."""
+    if subset is None:
+        return pods
+    return [pod for pod in pods if pod.address in subset]
 
 
 def _request_fields(body: bytes) -> RequestFields | Rejected:

@@ -175,6 +175,21 @@ class PodTable:
             self._in_flight.pop(pod, None)
         self.gray.finished(pod)
 
+    def served_elsewhere(self, routed: str, served: str) -> None:
+        """The request routed to ``routed`` was served by ``served`` (the gateway went down the
+        fallback list): its in-flight count and load estimate move there."""
+        self.finished(routed)
+        self._in_flight[served] = self._in_flight.get(served, 0) + 1
+        self._unreported.moved(routed, served)
+        self.gray.started(served, self._clock())
+
+    def member_at(self, hostport: str) -> Endpoint | None:
+        """The member endpoint at ``ip:port`` (None when no member is there)."""
+        for endpoint in self._endpoint_list:
+            if endpoint.hostport == hostport:
+                return endpoint
+        return None
+
     def wants_outcome(self) -> bool:
         """Whether the request being routed should report its response status."""
         return self.gray.wants_outcome(self._clock())

@@ -113,12 +113,16 @@ class UpstreamServer:
         self.port = port
         self.count = 0
         self.delay = 0.0
+        self.body_delay = 0.0
         self.received: list[Received] = []
         self._keep = keep
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._name_header = f"x-upstream: {name}\r\n".encode()
+        # Who answered: the name, and the ip:port (a gateway emulation reports it as the
+        # endpoint that served the request).
+        self._name_header = (f"x-upstream: {name}\r\n"
+                             f"x-upstream-address: {host}:{port}\r\n").encode()
 
     @property
     def address(self) -> str:
@@ -132,7 +136,11 @@ class UpstreamServer:
             self.received.append(request)
             del self.received[: -self._keep]
         answer = self._answer(request)
-        if self.delay:
+        if self.body_delay:  # the head now, the body later: a response that takes its time
+            cut = answer.index(b"\r\n\r\n") + 4
+            transport.write(answer[:cut])
+            asyncio.get_running_loop().call_later(self.body_delay, transport.write, answer[cut:])
+        elif self.delay:
             asyncio.get_running_loop().call_later(self.delay, transport.write, answer)
         else:
             transport.write(answer)
