@@ -61,6 +61,9 @@ class InferencePool(msgspec.Struct, frozen=True):
     metrics_port: int | None = None
     policy: PolicyConfig = PolicyConfig()
     reject_unknown_models: bool = False
+    # InferenceObjective names of this pool and the criticality each gives a request that names
+    # it in the objective header (filled by the Kubernetes source).
+    objectives: dict[str, Criticality] = {}
     schema: int = SCHEMA_VERSION
 
 

@@ -34,11 +34,13 @@ HEADER = "x-gateway-destination-endpoint"
 WAITING = {"pod-0": 0, "pod-1": 2, "pod-2": 4, "pod-3": 6}
 
 
-def make_processor(fallbacks: int = 0, policy: str = "least-queue") -> Processor:
+def make_processor(fallbacks: int = 0, policy: str = "least-queue",
+                   objectives: dict[str, Criticality] | None = None) -> Processor:
     pods = PodTable(stale_after=60.0)
     router = Router(POOL, pods, random.Random(1), fallbacks=fallbacks)
     view = RegistryView()
-    view.pools[POOL] = InferencePool(name=POOL, target_port=8000, policy=PolicyConfig(policy))
+    view.pools[POOL] = InferencePool(name=POOL, target_port=8000, policy=PolicyConfig(policy),
+                                     objectives=objectives or {})
     view.models[POOL] = {
         "chat": InferenceModel(model_name="chat", pool=POOL,
                                target_models=(TargetModel("chat-v2", 1),)),
@@ -164,12 +166,32 @@ def test_served_endpoint_moves_the_request_to_the_pod_that_served_it() -> None:
     assert processor.pods.in_flight() == {}
 
 
-def test_objective_header_names_a_registered_model_whose_criticality_applies() -> None:
-    processor = make_processor(policy="filter-tree")
-    for name in WAITING:  # saturate every pod for sheddable requests
+def saturated(processor: Processor) -> Processor:
+    """Every pod saturated for sheddable requests."""
+    for name in WAITING:
         processor.pods.apply(PodMetrics(pool=POOL, pod=name, address="", seq=2, scrape_time_ns=2,
                                         scrape_duration_s=0.0, ok=True, waiting=500,
                                         kv_cache_usage=0.99))
+    return processor
+
+
+def test_objective_header_names_an_objective_of_the_pool() -> None:
+    # An InferenceObjective's own name (the Kubernetes source puts it in the pool's message),
+    # which need not be a model name; it wins over a model of the same name.
+    processor = saturated(make_processor(policy="filter-tree", objectives={
+        "latency-critical": Criticality.CRITICAL, "premium": Criticality.SHEDDABLE}))
+    outcomes = []
+    for objective in ("latency-critical", "premium"):
+        exchange = Exchange(processor)
+        exchange.handle(headers_message(DUPLEX, {epp.OBJECTIVE_HEADERS[0]: objective}))
+        (reply, *_) = exchange.handle(body_message(b'{"model": "bulk"}', True))
+        outcomes.append(reply.WhichOneof("response"))
+        exchange.close()
+    assert outcomes == ["request_headers", "immediate_response"]
+
+
+def test_objective_header_names_a_registered_model_whose_criticality_applies() -> None:
+    processor = saturated(make_processor(policy="filter-tree"))
     for header in epp.OBJECTIVE_HEADERS:
         exchange = Exchange(processor)
         exchange.handle(headers_message(DUPLEX, {header: "premium"}))

@@ -496,3 +496,18 @@ def test_pods_outside_the_allowed_networks_are_left_out(caplog: pytest.LogCaptur
     with caplog.at_level("ERROR"):
         state.apply(kube_objects.POOL, bad)
     assert "allowed-networks" in caplog.text and "not a network" in caplog.text
+
+
+def test_objectives_reach_their_pool_by_their_own_name() -> None:
+    # The objective header names an InferenceObjective; its model-name annotation may differ.
+    state = KubeState()
+    state.apply(kube_objects.POOL, pool())
+    named = objective("latency-critical", 10)
+    named["metadata"]["annotations"] = {"inference.lig.dev/model-name": "meta-llama/L-8B"}
+    state.apply(kube_objects.OBJECTIVE, named)
+    state.apply(kube_objects.OBJECTIVE, objective("batch", -1))
+    state.apply(kube_objects.OBJECTIVE, objective("elsewhere", 5, pool_name="pool-b"))
+    registry = state.registry()
+    assert registry.pools[0].objectives == {"latency-critical": Criticality.CRITICAL,
+                                            "batch": Criticality.SHEDDABLE}
+    assert {m.model_name for m in registry.models} == {"meta-llama/L-8B", "batch"}

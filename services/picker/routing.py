@@ -184,15 +184,23 @@ class Router:
                 log.info("pool %s: using policy %s", self.pool_name, config.name)
             self._policy_config = config
 
+    def _objective_criticality(self, objective: str, otherwise: Criticality) -> Criticality:
+        """The criticality an objective header gives: the pool's InferenceObjective of that
+        name, else a registered model of that name, else ``otherwise`` (unknown: ignored)."""
+        if self._pool is not None and objective in self._pool.objectives:
+            return self._pool.objectives[objective]
+        named = self._models.get(objective)
+        return named.criticality if named is not None else otherwise
+
     def route(self, body: bytes, subset: frozenset[str] | None = None,
               objective: str | None = None) -> Routed | Rejected:
         """Decide where a request with this JSON ``body`` goes.
 
         ``subset``: the gateway's subset hint (``ip:port`` set; None: every member); only its
-        members may be picked. ``objective``: a registered model of this pool whose criticality
-        applies instead of the requested model's (the InferenceObjective header; an unknown
-        name is ignored). Every client mistake in ``body`` is a 400 :class:`Rejected` (never an
-        exception).
+        members may be picked. ``objective``: the InferenceObjective header: an objective of the
+        pool, or a registered model of it, whose criticality applies instead of the requested
+        model's (an unknown name is ignored). Every client mistake in ``body`` is a 400
+        :class:`Rejected` (never an exception).
         """
         fields = _request_fields(body)
         if isinstance(fields, Rejected):
@@ -210,9 +218,7 @@ class Router:
         else:
             target, criticality = route.draw(self._rng), route.criticality
         if objective is not None:
-            named = self._models.get(objective)
-            if named is not None:
-                criticality = named.criticality
+            criticality = self._objective_criticality(objective, criticality)
         registered = route is not None
         request = SchedulingRequest(requested, target, criticality)
         choice = self._choose(request, subset)

@@ -118,6 +118,7 @@ class ModelDef(msgspec.Struct, frozen=True):
     model_name: str
     criticality: Criticality | None = None
     targets: tuple[TargetModel, ...] = ()
+    objective: str = ""  # the InferenceObjective's own name, when one defines it
 
 
 class Parsed(msgspec.Struct, frozen=True):
@@ -142,7 +143,7 @@ def parse(kind: str, obj: Mapping[str, Any]) -> Parsed:
         return Parsed(created, _pool(name, namespace, meta, spec))
     if kind == OBJECTIVE:
         model_name = (meta.get("annotations") or {}).get(MODEL_NAME_ANNOTATION) or name
-        return Parsed(created, (_objective(str(model_name), namespace, spec),))
+        return Parsed(created, (_objective(name, str(model_name), namespace, spec),))
     if kind == REWRITE:
         return Parsed(created, _rewrite(namespace, spec))
     return Parsed(created, (_seed_model(namespace, spec),))
@@ -294,13 +295,14 @@ def criticality_of(priority: int | None) -> Criticality:
     return Criticality.SHEDDABLE if priority < 0 else Criticality.CRITICAL
 
 
-def _objective(name: str, namespace: str, spec: Mapping[str, Any]) -> ModelDef:
+def _objective(name: str, model_name: str, namespace: str, spec: Mapping[str, Any]) -> ModelDef:
     priority = spec.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise BadObject("spec.priority", f"unknown priority {priority!r} (expected an integer)")
     parsed = _convert(spec, _ObjectiveSpec, "spec")
     _check_pool_kind(parsed.pool_ref)
-    return ModelDef(namespace, parsed.pool_ref.name, name, criticality_of(parsed.priority))
+    return ModelDef(namespace, parsed.pool_ref.name, model_name, criticality_of(parsed.priority),
+                    objective=name)
 
 
 def _rewrite(namespace: str, spec: Mapping[str, Any]) -> tuple[ModelDef, ...]:
@@ -418,8 +420,21 @@ class KubeState:
             for line in sorted(set(conflicts) - self._conflicts):
                 log.warning("conflict: %s", line)
             self._conflicts = frozenset(conflicts)
-        return Registry(tuple(sorted((p.pool for p in pools.values()), key=lambda p: p.name)),
+        return Registry(tuple(sorted((_with_objectives(p, by_age) for p in pools.values()),
+                                     key=lambda p: p.name)),
                         models, tuple(sorted(endpoint_sets, key=lambda e: e.pool)))
+
+
+def _with_objectives(pool: PoolDef, by_age: Iterable[tuple[Key, Parsed]]) -> InferencePool:
+    """The pool's message with the criticality of each InferenceObjective of its namespace
+    that names it (for the objective request header)."""
+    objectives = {
+        model.objective: model.criticality
+        for _, parsed in by_age if isinstance(parsed.defines, tuple)
+        for model in parsed.defines
+        if model.objective and model.pool == pool.pool.name and model.namespace == pool.namespace
+        and model.criticality is not None}
+    return msgspec.structs.replace(pool.pool, objectives=objectives) if objectives else pool.pool
 
 
 def _key(kind: str, obj: Mapping[str, Any]) -> Key:
