@@ -321,7 +321,8 @@ YAML_EQUIVALENT = [
         "selector": {"app": "a"}, "targetPortNumber": 8000,
         "endpoints": [{"name": "vllm-0", "address": "10.1.0.1", "labels": {"app": "a"}}],
         "metrics": {"path": "/stats", "port": 9100},
-        "scheduling": {"policy": "least-queue"}, "rejectUnknownModels": True}},
+        "scheduling": {"policy": "least-queue"}, "rejectUnknownModels": True,
+        "objectives": {"chat": "Critical", "batch": "Sheddable", "llama3-base": "Critical"}}},
     {"apiVersion": X, "kind": "InferenceModel", "metadata": {"name": "chat"}, "spec": {
         "modelName": "chat", "criticality": "Critical", "poolRef": {"name": "pool-a"},
         "targetModels": [{"name": "chat-v1", "weight": 90}, {"name": "chat-v2", "weight": 10}]}},

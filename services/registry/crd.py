@@ -96,6 +96,11 @@ class InferencePoolSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     scheduling: SchedulingSpec = SchedulingSpec()
     reject_unknown_models: bool = False
     allowed_networks: list[str] | None = None
+    # Named objectives for the x-gateway-inference-objective header (the file source's form of
+    # InferenceObjectives): name -> criticality.
+    objectives: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=253)],
+                               Literal["Critical", "Standard", "Sheddable"]],
+                          Meta(max_length=1000)] = {}
 
 
 class PoolObject(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):

@@ -428,12 +428,13 @@ class KubeState:
 def _with_objectives(pool: PoolDef, by_age: Iterable[tuple[Key, Parsed]]) -> InferencePool:
     """The pool's message with the criticality of each InferenceObjective of its namespace
     that names it (for the objective request header)."""
-    objectives = {
-        model.objective: model.criticality
+    # Sorted: the message's bytes must not depend on the order objects were seen in.
+    objectives = dict(sorted(
+        (model.objective, model.criticality)
         for _, parsed in by_age if isinstance(parsed.defines, tuple)
         for model in parsed.defines
         if model.objective and model.pool == pool.pool.name and model.namespace == pool.namespace
-        and model.criticality is not None}
+        and model.criticality is not None))
     return msgspec.structs.replace(pool.pool, objectives=objectives) if objectives else pool.pool
 
 

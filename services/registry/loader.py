@@ -331,6 +331,7 @@ def _pool(obj: crd.PoolObject) -> InferencePool:
         metrics_port=spec.metrics.port,
         policy=PolicyConfig(spec.scheduling.policy, dict(spec.scheduling.params)),
         reject_unknown_models=spec.reject_unknown_models,
+        objectives={name: Criticality(value) for name, value in sorted(spec.objectives.items())},
     )
 
 
