@@ -23,6 +23,7 @@ from resilience.h2wire import PingProbe, ping_once
 from resilience.load import LoadRun, steady_load
 from resilience.report import Figure
 from resilience.stack import Picker, Target
+from services.picker.http2_limits import Http2Limits
 
 SCENARIOS = ("flood", "amplification", "buffering", "slow", "control", "http")
 PING_TARGET_S = 1.0
@@ -46,6 +47,9 @@ class AttackSettings(msgspec.Struct, frozen=True):
     partial_streams: int = 12  # each gets 8 MiB of a message that claims 60 MiB
     control_frames: int = 50_000
     slow_connections: int = 100
+    # Seconds each slow connection is held before the closed ones are counted: beyond the
+    # picker's preface timeout, which a connection must outlive to be closed by it.
+    slow_hold: float = Http2Limits().preface_timeout + 2.0
     request_timeout: float = 20.0
 
 
@@ -158,12 +162,13 @@ async def buffering(target: Target, settings: AttackSettings) -> list[Figure]:
 
 
 async def slow(target: Target, settings: AttackSettings) -> list[Figure]:
-    """Connections that send nothing or half a preface, held for the scenario's duration."""
+    """Connections that send nothing or half a preface, each held ``slow_hold`` seconds."""
     picker = target.pickers[0]
     run = LoadRun()
-    async with _under_load(target, settings, (picker,), run, settings.duration) as probes:
-        result = await attacks.slow_peers(picker, settings.slow_connections, settings.duration)
-    within = f"within {settings.duration:g} s"
+    held = settings.slow_hold
+    async with _under_load(target, settings, (picker,), run, held) as probes:
+        result = await attacks.slow_peers(picker, settings.slow_connections, held)
+    within = f"within {held:g} s"
     return [
         Figure("slow peers", f"silent connections closed {within}",
                f"{result.idle_closed}/{result.idle}", "all",
