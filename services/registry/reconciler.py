@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -39,6 +40,22 @@ RETRY_MAX = 5.0
 SETTLE = 0.1
 KEYS_LOGGED = 5  # a pass names this many of the keys it wrote, then counts the rest
 PROBLEMS_LOGGED = 20  # an invalid input logs this many of its problems, then counts the rest
+
+
+async def _load_in_thread(snapshot: FileSnapshot) -> Registry:
+    """:func:`load` off the event loop (inputs within the limits can take minutes to parse),
+    given up at its next document if this task is cancelled (the registry is stopping)."""
+    cancel = threading.Event()
+    loading = asyncio.ensure_future(asyncio.to_thread(load, snapshot, cancel.is_set))
+    try:
+        return await asyncio.shield(loading)
+    except asyncio.CancelledError:
+        cancel.set()
+        # Whatever the load ends with (LoadCancelled, most likely) no longer matters; waiting
+        # for it means no thread outlives the task.
+        with contextlib.suppress(Exception):
+            await loading
+        raise
 
 
 class Reconciler:
@@ -96,7 +113,7 @@ class Reconciler:
             return  # still being written: look again on the next check
         snapshot = self._snapshot = settled
         try:
-            desired = load(snapshot)
+            desired = await _load_in_thread(snapshot)
         except InvalidRegistry as exc:
             # Bounded: one bad file can hold millions of problems (a duplicate key per line).
             for problem in exc.problems[:PROBLEMS_LOGGED]:
