@@ -70,6 +70,9 @@ def configure_attack(parser: argparse.ArgumentParser) -> None:
                         help="frames of each control-frame flood")
     parser.add_argument("--slow-connections", type=int, default=defaults.slow_connections,
                         help="silent and half-preface connections (each)")
+    parser.add_argument("--slow-hold", type=float, default=defaults.slow_hold, metavar="SECONDS",
+                        help="seconds each slow connection is held before counting those the "
+                        "picker closed (must exceed its preface timeout)")
     attached = parser.add_argument_group("attach to a running stack instead")
     attached.add_argument("--gateway", default=None, metavar="URL",
                           help="Envoy's client URL, e.g. http://127.0.0.1:8081")
@@ -118,7 +121,8 @@ async def _attack(args: argparse.Namespace) -> int:
         settings_frames=args.settings_frames, amplification_frames=args.amplification_frames,
         amplification_seconds=args.amplification_seconds, header_frames=args.header_frames,
         partial_streams=args.partial_streams,
-        control_frames=args.control_frames, slow_connections=args.slow_connections)
+        control_frames=args.control_frames, slow_connections=args.slow_connections,
+        slow_hold=args.slow_hold)
     if args.gateway is not None:
         target = attach(args.gateway, args.picker, [])
         return _print(await attack.run_attacks(lambda: target, settings))

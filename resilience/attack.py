@@ -50,6 +50,9 @@ class AttackSettings(msgspec.Struct, frozen=True):
     partial_streams: int = 12  # each gets 8 MiB of a message that claims 60 MiB
     control_frames: int = 50_000
     slow_connections: int = 100
+    # Seconds each slow connection is held before the closed ones are counted: beyond the
+    # picker's preface timeout, which a connection must outlive to be closed by it.
+    slow_hold: float = Http2Limits().preface_timeout + 2.0
     request_timeout: float = 20.0
 
 
@@ -166,12 +169,13 @@ async def buffering(target: Target, settings: AttackSettings) -> list[Figure]:
 
 
 async def slow(target: Target, settings: AttackSettings) -> list[Figure]:
-    """Connections that send nothing or half a preface, held for the scenario's duration."""
+    """Connections that send nothing or half a preface, each held ``slow_hold`` seconds."""
     picker = target.pickers[0]
     run = LoadRun()
-    async with _under_load(target, settings, (picker,), run, settings.duration) as probes:
-        result = await attacks.slow_peers(picker, settings.slow_connections, settings.duration)
-    within = f"within {settings.duration:g} s"
+    held = settings.slow_hold
+    async with _under_load(target, settings, (picker,), run, held) as probes:
+        result = await attacks.slow_peers(picker, settings.slow_connections, held)
+    within = f"within {held:g} s"
     return [
         Figure("slow peers", f"silent connections closed {within}",
                f"{result.idle_closed}/{result.idle}", "all",

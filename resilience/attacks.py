@@ -286,15 +286,16 @@ class SlowResult(msgspec.Struct):
 
 
 async def slow_peers(picker: Picker, count: int, wait: float) -> SlowResult:
-    """Open ``count`` connections that send nothing and ``count`` that send half a preface;
-    after ``wait`` seconds, see how many the server has closed."""
+    """Open ``count`` connections that send nothing and ``count`` that send half a preface
+    (for at most ``wait`` seconds); ``wait`` seconds after the last one opened, see how many the
+    server has closed. (Timed from the last one: every connection has been held that long.)"""
     result = SlowResult()
     idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     partial: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-    deadline = time.monotonic() + wait
+    opening_deadline = time.monotonic() + wait
     try:
         for i in range(2 * count):
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= opening_deadline:
                 break
             try:
                 reader, writer = await w.open_connection(picker.host, picker.port, 1.0)
@@ -306,7 +307,7 @@ async def slow_peers(picker: Picker, count: int, wait: float) -> SlowResult:
                 partial.append((reader, writer))
             else:
                 idle.append((reader, writer))
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        await asyncio.sleep(wait)
         result.idle, result.partial = len(idle), len(partial)
         closed = await asyncio.gather(*(_closed_by_server(r, 0.2) for r, _ in idle + partial))
         result.idle_closed = sum(closed[: len(idle)])

@@ -172,6 +172,28 @@ def test_partial_messages_cannot_outgrow_the_connection_buffer() -> None:
     assert not any(entry.startswith("message") for entry in peer.log)
 
 
+def test_answers_waiting_for_window_are_bounded() -> None:
+    """A client that grants no window but keeps sending requests on one stream: each answer
+    waits for window, and the connection used to hold them all (18 MB for 18 MB sent)."""
+    max_message = 1000
+    cap = Http2Limits().parked_cap(max_message)
+    peer = Peer(max_message=max_message)
+    peer.start(setting(INITIAL_WINDOW_SIZE, 0))
+    peer.send(peer.headers(1))
+    request = frame(DATA, 0, 1, grpc_message(b"y" * 900))
+    most = 0
+    for _ in range(2 * cap // 900):
+        peer.send(request)
+        most = max(most, peer.connection.parked_bytes)
+        if peer.transport.closed:
+            break
+    assert peer.transport.closed
+    assert goaway_code(peer.read()) == ENHANCE_YOUR_CALM
+    assert most <= cap + len(grpc_message(b"echo:" + b"y" * 900))  # one answer past it
+    peer.connection.connection_lost(None)
+    assert peer.connection.parked_bytes == 0  # dropped with its stream
+
+
 def test_a_client_within_its_windows_always_progresses() -> None:
     """Four max-size messages at once fill the buffer cap half-way each: none could complete,
     so the server ends the fullest call (RESOURCE_EXHAUSTED) rather than wait forever."""

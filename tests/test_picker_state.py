@@ -8,6 +8,7 @@ from collections import Counter
 import msgspec
 import pytest
 
+from services.picker.gray_pods import GrayPods
 from services.picker.metrics_feed import SnapshotSink
 from services.picker.scheduling import SchedulingRequest, build_policy
 from services.picker.state import PodTable
@@ -238,3 +239,23 @@ def test_the_estimate_spreads_one_scrape_interval_over_the_pods(
         table.started(pick.name)
         sent[pick.name] += 1
     assert sorted(sent.values()) == spread
+
+
+def test_requests_newer_than_the_snapshot_do_not_make_a_pod_gray(clock: FakeClock) -> None:
+    """With --stale-after above --gray-after, a snapshot can be older than requests that are
+    already "old": the pod could not have counted them, so they must not make it gray."""
+    table = PodTable(stale_after=5.0, clock=clock, gray=GrayPods(gray_after=2.0, sample_every=0))
+    table.set_endpoints(ENDPOINTS)
+    table.apply(snapshot("pod-a", 1))  # idle, as it was before the requests
+    table.apply(snapshot("pod-b", 1))
+    clock.now += 0.5
+    for _ in range(3):  # long generations, running at pod-a from now on
+        table.started("pod-a")
+    clock.now += 2.5  # the requests are 2.5 s old; the snapshots, 3 s old, are still fresh
+    assert {view.name for view in table.fresh_views()} == {"pod-a", "pod-b"}
+    table.apply(snapshot("pod-a", 2, running=3))  # the pod runs them: still fine
+    table.apply(snapshot("pod-b", 2))
+    clock.now += 2.5
+    assert {view.name for view in table.fresh_views()} == {"pod-a", "pod-b"}
+    table.apply(snapshot("pod-a", 3))  # a newer snapshot without them: now it is gray
+    assert {view.name for view in table.fresh_views()} == {"pod-b"}

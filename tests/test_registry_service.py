@@ -25,7 +25,7 @@ from lig import up
 from lig.topology import EXAMPLE_CONFIG
 from services.registry.metrics import RegistryMetrics
 from services.registry.publisher import Publisher, read_bucket
-from services.registry.reconciler import Reconciler
+from services.registry.reconciler import PROBLEMS_LOGGED, SETTLE, Reconciler
 from shared.nats_connection import NatsSettings, connect
 from shared.schemas import EndpointSet, InferenceModel, decode
 from shared.subjects import Subjects
@@ -532,7 +532,7 @@ async def test_a_loader_bug_is_logged_and_the_previous_state_kept(
     good = reconciler.desired
     assert good is not None
 
-    def broken(snapshot: object) -> None:
+    def broken(snapshot: object, cancelled: object) -> None:
         raise RecursionError("maximum recursion depth exceeded")
 
     monkeypatch.setattr("services.registry.reconciler.load", broken)  # a bug, not bad input
@@ -541,3 +541,41 @@ async def test_a_loader_bug_is_logged_and_the_previous_state_kept(
     assert reconciler.desired is good
     assert "could not load the inputs (a registry bug" in caplog.text
     assert "RecursionError" in caplog.text
+
+
+async def test_an_input_with_many_problems_logs_a_bounded_number_of_lines(
+    inputs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One bad file (a 1 MB one held 200,000 duplicate keys) used to log a line per problem."""
+    reconciler = Reconciler([str(inputs)], RegistryMetrics())
+    await reconciler.check_inputs()
+    good = reconciler.desired
+    caplog.clear()
+    await write(inputs, dump(pool()) + "".join(f"---\nkind: Unknown{i}\n" for i in range(5_000)))
+    with caplog.at_level(logging.ERROR, logger="lig.registry"):
+        await reconciler.check_inputs()
+    assert reconciler.desired is good
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) <= PROBLEMS_LOGGED + 1
+    assert sum("Unknown" in line for line in lines) == PROBLEMS_LOGGED
+    assert "rejected the inputs (5000 problems, the first 20 logged; lig registry --check " \
+        "lists them all)" in lines[-1]
+
+
+async def test_a_stop_during_a_long_load_is_prompt(inputs: Path) -> None:
+    """Inputs within the size limits can take minutes to parse (a million empty documents is 4
+    MB); the registry used to parse on its event loop, so a SIGTERM waited for all of it."""
+    reconciler = Reconciler([str(inputs)], RegistryMetrics())
+    await reconciler.check_inputs()
+    good = reconciler.desired
+    await write(inputs, dump(pool()) + "---\n" * 300_000)  # about 10 s of parsing here
+    checking = asyncio.create_task(reconciler.check_inputs())
+    started = time.monotonic()
+    await asyncio.sleep(SETTLE + 1.0)  # the loop is free while the inputs are parsed
+    assert time.monotonic() - started < SETTLE + 2.0
+    assert not checking.done()
+    checking.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await checking  # returns once the parsing thread has given up
+    assert time.monotonic() - started < SETTLE + 3.0
+    assert reconciler.desired is good

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(90)
 SHORT_ATTACKS = AttackSettings(duration=1.0, rate=20, streams=200, settings_frames=3,
                                amplification_frames=100, amplification_seconds=1.0,
                                header_frames=1, partial_streams=1,
-                               control_frames=2000, slow_connections=5, request_timeout=10)
+                               control_frames=2000, slow_connections=5, slow_hold=1.0,
+                               request_timeout=10)
 ONE_FAULT = chaos.ChaosSettings(faults=("collector",), rate=20, before=0.5, outage=1.0,
                                 settle=1.0, request_timeout=10)
 

@@ -17,9 +17,13 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
-from resilience import h2wire
+from resilience import attacks, h2wire
+from resilience.attack import AttackSettings
 from resilience.bad_http import Reply, judge, openai_error_shape
 from resilience.report import Figure, all_passed, table
+from resilience.stack import Picker
+from services.picker.http2 import Http2Server
+from services.picker.http2_limits import Http2Limits
 
 
 @pytest.mark.parametrize("value", [0, 30, 62, 126, 127, 128, 4000, 60_000])
@@ -96,3 +100,23 @@ def test_crafted_frames_parse_as_intended_with_the_h2_stack() -> None:
     assert isinstance(parse(h2wire.frame(h2wire.CONTINUATION, 0, 1)), ContinuationFrame)
     data = parse(h2wire.frame(h2wire.DATA, 0, 1, h2wire.REQUEST_HEADERS_MESSAGE))
     assert isinstance(data, DataFrame) and data.data[5:] == h2wire.REQUEST_HEADERS_MESSAGE[5:]
+
+
+def test_slow_connections_are_held_past_the_pickers_preface_timeout() -> None:
+    """Held exactly as long as the preface timeout (10 s, the scenario's duration), no slow
+    connection was ever seen closed: the attack reported 0/100 against the fixed picker."""
+    assert AttackSettings().slow_hold > Http2Limits().preface_timeout
+
+
+async def test_slow_peers_are_each_held_the_whole_wait() -> None:
+    """Every slow connection is held ``wait`` seconds, so a server closing them after its
+    preface timeout (below ``wait``) is seen closing all of them. (The connections used to be
+    opened until the wait was over: the last ones were checked after a fraction of it.)"""
+    server = Http2Server({}, 1000, Http2Limits(preface_timeout=0.3))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        result = await attacks.slow_peers(Picker("picker-0", port), 20, 0.8)
+    finally:
+        await server.stop(0)
+    assert (result.idle, result.partial, result.refused) == (20, 20, 0)
+    assert (result.idle_closed, result.partial_closed) == (20, 20)

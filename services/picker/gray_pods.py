@@ -5,11 +5,13 @@ every policy, and attracts a large share of the traffic. The picker sees two thi
 do not:
 
 - **Requests that do not finish.** Each request this picker routed stays in flight for as long
-  as its ext_proc stream lives, which is as long as the HTTP exchange. A request in flight for
-  ``gray_after`` seconds started well before the pod's newest (fresh) snapshot, so a working
-  pod counts it as running or waiting. When this picker has more such requests at a pod than
-  the pod reports running and waiting together, the pod is not running them: it is gray. (Each
-  picker replica checks only its own requests, which the pod's counts include.)
+  as its ext_proc stream lives, which is as long as the HTTP exchange. A request that started
+  ``gray_after`` seconds before the pod's newest snapshot arrived started well before that
+  snapshot's scrape, so a working pod counts it as running or waiting. (Measured from the
+  snapshot's arrival, not from now: a snapshot may be fresh for longer than ``gray_after``.)
+  When this picker has more such requests at a pod than the pod reports running and waiting
+  together, the pod is not running them: it is gray. (Each picker replica checks only its own
+  requests, which the pod's counts include.)
 - **Requests that fail.** For one request in ``sample_every`` (and for every request while a pod
   on probation may get it) the picker asks Envoy for the response headers on the routing stream
   and records the status. ``MIN_OUTCOMES`` or more recent outcomes of which at least
@@ -137,13 +139,15 @@ class GrayPods:
 
     # --- the decision ----------------------------------------------------------------------
 
-    def excluded(self, views: Sequence[PodView], now: float) -> set[str]:
-        """The pods among ``views`` (as their snapshots report them) to leave out now."""
+    def excluded(self, views: Sequence[PodView], now: float,
+                 arrivals: Sequence[float] | None = None) -> set[str]:
+        """The pods among ``views`` (as their snapshots report them) to leave out now;
+        ``arrivals[i]`` is when the snapshot of ``views[i]`` arrived (None: all just now)."""
         if not self._pods:
             return set()
         out: set[str] = set()
-        oldest = now - self.gray_after
-        for view in views:
+        for index, view in enumerate(views):
+            oldest = (now if arrivals is None else arrivals[index]) - self.gray_after
             pod = self._pods.get(view.name)
             if pod is None:
                 continue

@@ -39,6 +39,8 @@ library and gRPC's C core bound the same things, with the values noted):
   bucket of 1000.)
 - Write back-pressure: reading pauses while the transport holds more than [1 MiB] unsent, and
   resumes below [256 KiB], so a peer that does not read cannot make the server buffer answers.
+  Answers waiting for flow-control window (a peer that sends requests but grants no window)
+  are capped too [the buffer cap]: past it, GOAWAY ENHANCE_YOUR_CALM.
 - Timeouts: [5 s] for the preface and first SETTINGS, then [300 s] without an open stream
   drains the connection (two-step GOAWAY) and closes it.
 - Answers never echo client bytes (grpc-message is a short fixed text) and no frame sent is
@@ -238,6 +240,8 @@ class Http2Connection(asyncio.Protocol):
         self._buffer_cap = limits.buffered_cap(max_message)
         self._recv_window = DEFAULT_WINDOW  # until our WINDOW_UPDATE in the greeting
         self._buffered = 0  # bytes of partial messages in the streams' inboxes
+        self._parked_cap = limits.parked_cap(max_message)
+        self._parked = 0  # bytes of answers in the streams' `pending`, waiting for window
         self._control = TokenBucket(limits.control_burst, limits.control_rate)
         self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
         self._paused = False  # the transport's write buffer is above its high-water mark
@@ -309,6 +313,11 @@ class Http2Connection(asyncio.Protocol):
     def buffered_bytes(self) -> int:
         """Bytes of partial request messages held for this connection's streams."""
         return self._buffered
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes of answers held for this connection's streams, waiting for window."""
+        return self._parked
 
     def drain(self) -> None:
         """Start a graceful close: GOAWAY now, a final GOAWAY once the client has seen it."""
@@ -726,7 +735,10 @@ class Http2Connection(asyncio.Protocol):
         if (stream.pending or size > self._send_window or size > window
                 or size > self._max_frame_out or window > MAX_WINDOW):
             stream.pending += data
+            self._parked += size
             self._flush(stream)
+            if self._parked > self._parked_cap:  # the client asks but does not take answers
+                raise ProtocolFault(ENHANCE_YOUR_CALM, "too many answers waiting for window")
             return
         self._send_window -= size
         stream.credit -= size
@@ -752,6 +764,7 @@ class Http2Connection(asyncio.Protocol):
             allowed = min(len(pending), self._send_window, window, self._max_frame_out)
             self._out.append(frame(DATA, 0, stream.id, bytes(pending[:allowed])))
             del pending[:allowed]
+            self._parked -= allowed
             self._send_window -= allowed
             stream.credit -= allowed
         if stream.trailers is not None:
@@ -820,6 +833,8 @@ class Http2Connection(asyncio.Protocol):
         self._unpark(stream)
         self._buffered -= len(stream.inbox)
         stream.inbox.clear()
+        self._parked -= len(stream.pending)
+        stream.pending.clear()
         if not stream.finished:
             stream.finished = True
             stream.handler.on_close()

@@ -27,6 +27,10 @@ class Http2Limits(msgspec.Struct, frozen=True):
     # Bytes of partial messages one connection may hold; also its receive window. None: the
     # max message size + 1 MiB (one message of the largest size always fits).
     max_buffered: int | None = None
+    # Bytes of answers one connection may hold while they wait for the client's flow-control
+    # window (a client that sends requests but grants no window). None: the same as the
+    # buffer cap. Past it: GOAWAY ENHANCE_YOUR_CALM.
+    max_parked: int | None = None
     # One header block (HEADERS + CONTINUATION), compressed and decoded; gRPC core's hard
     # default for metadata is 16 KiB too.
     max_header_block: int = 16 * KIB
@@ -53,6 +57,10 @@ class Http2Limits(msgspec.Struct, frozen=True):
     def buffered_cap(self, max_message: int) -> int:
         """The connection's buffer cap (and receive window) for messages up to ``max_message``."""
         return self.max_buffered if self.max_buffered is not None else max_message + 5 + MIB
+
+    def parked_cap(self, max_message: int) -> int:
+        """Bytes of answers waiting for window one connection may hold."""
+        return self.max_parked if self.max_parked is not None else self.buffered_cap(max_message)
 
 
 class TokenBucket:

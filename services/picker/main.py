@@ -95,8 +95,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "of all going to the least loaded one; --no-load-estimate decides on the "
                         "scraped metrics alone, as upstream")
     parser.add_argument("--gray-after", type=float, default=2.0,
-                        help="seconds after which a request this picker sent to a pod, still "
-                        "unfinished, shows the pod gray if the pod reports fewer running and "
+                        help="seconds before a pod's newest snapshot arrived after which a "
+                        "request this picker sent to the pod, still unfinished, shows the pod "
+                        "gray if the pod reports fewer running and "
                         "waiting requests than it has such requests (it is not running them); "
                         "a gray pod is left out for a cool-off (5 s, doubling on repeats), then "
                         "gets one request at a time until one succeeds. 0 disables this check")

@@ -129,6 +129,7 @@ class PodTable:
         oldest = now - self.stale_after
         max_lora_seen = self._max_lora_seen
         views = []
+        arrivals = []
         for name in self._endpoints:
             entry = self._entries.get(name)
             if entry is None or entry.view is None or entry.received_at < oldest:
@@ -137,7 +138,8 @@ class PodTable:
             if entry.snapshot.max_lora is None and max_lora_seen:
                 view = msgspec.structs.replace(view, max_lora=max_lora_seen)
             views.append(view)
-        gray = self.gray.excluded(views, now)
+            arrivals.append(entry.received_at)
+        gray = self.gray.excluded(views, now, arrivals)
         if gray and len(gray) < len(views):
             views = [view for view in views if view.name not in gray]
         return picker_views(views, self._in_flight, self._unreported.counts)

@@ -22,7 +22,7 @@ Reading is separate from parsing so that the watcher can compare raw contents ch
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +101,17 @@ def _read_at_most(path: Path, limit: int) -> bytes:
         return stream.read(limit)
 
 
-def parse(snapshot: FileSnapshot) -> tuple[list[Document], list[Problem]]:
-    """Split every file into its YAML documents; syntax errors become problems."""
+class LoadCancelled(Exception):
+    """Loading was given up on request (the registry is stopping)."""
+
+
+def parse(snapshot: FileSnapshot, cancelled: Callable[[], bool] = lambda: False,
+          ) -> tuple[list[Document], list[Problem]]:
+    """Split every file into its YAML documents; syntax errors become problems.
+
+    ``cancelled`` is asked before each document: when it says True, :class:`LoadCancelled` is
+    raised (inputs within the size limits can take minutes: a million empty documents).
+    """
     documents: list[Document] = []
     problems = list(snapshot.problems)
     for source in snapshot.files:
@@ -118,6 +127,8 @@ def parse(snapshot: FileSnapshot) -> tuple[list[Document], list[Problem]]:
         try:
             while True:
                 index += 1
+                if cancelled():
+                    raise LoadCancelled
                 if not loader.check_node():
                     break
                 node = loader.get_node()
@@ -241,9 +252,10 @@ class _BoundedLoader(yaml.composer.Composer, yaml.constructor.SafeConstructor,
                               self._fields.get(node)) from exc
 
 
-def load(snapshot: FileSnapshot) -> Registry:
-    """Parse and validate ``snapshot``; raise :class:`InvalidRegistry` listing every problem."""
-    documents, problems = parse(snapshot)
+def load(snapshot: FileSnapshot, cancelled: Callable[[], bool] = lambda: False) -> Registry:
+    """Parse and validate ``snapshot``; raise :class:`InvalidRegistry` listing every problem
+    (or :class:`LoadCancelled`, see :func:`parse`)."""
+    documents, problems = parse(snapshot, cancelled)
     return build_registry(documents, problems)
 
 

@@ -2,9 +2,10 @@
 
 Every ``watch_interval`` the input files are read and compared with the last read; a change (or a
 forced reload, SIGHUP) parses and validates them. A valid input becomes the desired state and is
-published; an invalid one is logged problem by problem and counted, and the previous desired state
-stays published. A publish pass also runs after a NATS reconnect and every ``resync_interval``
-(someone may have wiped or edited the bucket); a failed pass is retried with a bounded backoff.
+published; an invalid one is logged (its first problems, one a line) and counted, and the
+previous desired state stays published. A publish pass also runs after a NATS reconnect and every
+``resync_interval`` (someone may have wiped or edited the bucket); a failed pass is retried with a
+bounded backoff.
 
 A valid input that would remove every pool, or every endpoint of a pool (an emptied file or
 folder), is refused unless ``allow_empty``: nothing is written, the refusal is logged and counted,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -37,6 +39,23 @@ RETRY_MAX = 5.0
 # half-written (truncated, then written) is not published as "no objects".
 SETTLE = 0.1
 KEYS_LOGGED = 5  # a pass names this many of the keys it wrote, then counts the rest
+PROBLEMS_LOGGED = 20  # an invalid input logs this many of its problems, then counts the rest
+
+
+async def _load_in_thread(snapshot: FileSnapshot) -> Registry:
+    """:func:`load` off the event loop (inputs within the limits can take minutes to parse),
+    given up at its next document if this task is cancelled (the registry is stopping)."""
+    cancel = threading.Event()
+    loading = asyncio.ensure_future(asyncio.to_thread(load, snapshot, cancel.is_set))
+    try:
+        return await asyncio.shield(loading)
+    except asyncio.CancelledError:
+        cancel.set()
+        # Whatever the load ends with (LoadCancelled, most likely) no longer matters; waiting
+        # for it means no thread outlives the task.
+        with contextlib.suppress(Exception):
+            await loading
+        raise
 
 
 class Reconciler:
@@ -94,12 +113,15 @@ class Reconciler:
             return  # still being written: look again on the next check
         snapshot = self._snapshot = settled
         try:
-            desired = load(snapshot)
+            desired = await _load_in_thread(snapshot)
         except InvalidRegistry as exc:
-            for problem in exc.problems:
+            # Bounded: one bad file can hold millions of problems (a duplicate key per line).
+            for problem in exc.problems[:PROBLEMS_LOGGED]:
                 log.error("invalid input: %s", problem)
             kept = "the previous state stays published" if self.desired else "nothing published"
-            log.error("rejected the inputs (%d problems); %s", len(exc.problems), kept)
+            shown = (f", the first {PROBLEMS_LOGGED} logged; lig registry --check lists them all"
+                     if len(exc.problems) > PROBLEMS_LOGGED else "")
+            log.error("rejected the inputs (%d problems%s); %s", len(exc.problems), shown, kept)
             self._metrics.reload_invalid()
             return
         except Exception:
