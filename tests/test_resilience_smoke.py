@@ -1,6 +1,8 @@
 """The attack and chaos tools, short and bounded, against a stack they start: every scenario
-runs and yields its figures, so the tools cannot rot. Targets are not asserted for the attacks
-(issue 13 is being fixed in parallel); the one fault's zero loss is."""
+runs and yields its figures, so the tools cannot rot. The targets a short run can show are
+asserted too: every control-frame flood closed by the picker, every bad HTTP request answered
+with a status and an OpenAI-shaped error, no memory growth from the header amplification, and
+no request lost to a killed collector. (Timing targets need the full run: docs/resilience.md.)"""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 SHORT_ATTACKS = AttackSettings(duration=1.0, rate=20, streams=200, settings_frames=3,
                                amplification_frames=100, amplification_seconds=1.0,
                                header_frames=1, partial_streams=1,
-                               control_frames=2000, slow_connections=5, slow_hold=1.0,
+                               control_frames=5000, slow_connections=5, slow_hold=1.0,
                                request_timeout=10)
 ONE_FAULT = chaos.ChaosSettings(faults=("collector",), rate=20, before=0.5, outage=1.0,
                                 settle=1.0, request_timeout=10)
@@ -50,13 +52,18 @@ async def test_every_attack_and_one_fault_run_and_report() -> None:
     assert _named(figures, "partial messages", "sent").value.startswith("8 1 MiB frames")
     assert re.fullmatch(r"\d+/5", _named(
         figures, "slow peers", "silent connections closed within 1 s").value)
+    amplified = _named(figures, "amplification", "picker-0 RSS growth")
+    assert amplified.passed, amplified
     for flood in attacks.CONTROL_FLOODS:
         closed = _named(figures, flood, "connection closed by the picker")
-        assert closed.passed is not None and "sent" in closed.value
+        assert closed.passed, closed
         assert _named(figures, flood, "picker-0 RSS growth").passed is not None
     assert [f.name for f in figures if f.scenario == "bad HTTP"] == list(bad_http.CASES)
     control = _named(figures, "bad HTTP", "body not JSON (control)")
     assert (control.value, control.passed) == ("400 invalid_json", True)
+    for figure in figures:
+        if figure.scenario == "bad HTTP":
+            assert figure.passed, figure
     for figure in figures:
         if figure.name == "requests through Envoy failed":
             assert re.match(r"\d+\.\d% \(\d+/[1-9]\d*", figure.value), figure
