@@ -12,7 +12,6 @@ own counters (``lig_picker_requests_total`` by pod).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 import httpx
@@ -43,7 +42,10 @@ class ChaosSettings(msgspec.Struct, frozen=True):
     gray_seconds: float = 20.0  # seconds of load with one pod gray
     gray_warmup: float = 5.0  # seconds before its share is counted
     request_timeout: float = 20.0
-    response_timeout: float = 3.0  # lig up --response-timeout: Envoy's 504 for a silent pod
+    # lig up --response-timeout, Envoy's 504 for a silent pod: longer than ``pod_stop`` (a
+    # stopped pod's requests finish when it resumes), shorter than ``request_timeout`` (the
+    # gray pod's held requests are answered).
+    response_timeout: float = 15.0
     ready_timeout: float = 60.0
 
 
@@ -126,11 +128,9 @@ async def gray_pod(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     urls = [p.metrics_url for p in stack.target.pickers if p.metrics_url]
     run = LoadRun()
     load = _with_load(stack, settings, settings.before + settings.gray_seconds, run)
-    gray_since = float("inf")
     try:
         await asyncio.sleep(settings.before)
         await _set_gray(pod_url, "hang")
-        gray_since = time.monotonic()
         await asyncio.sleep(settings.gray_warmup)
         warm = await routed_by_pod(urls)
         await asyncio.sleep(max(0.0, settings.gray_seconds - settings.gray_warmup))
@@ -140,12 +140,20 @@ async def gray_pod(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
         await _set_gray(pod_url, "")
         if not load.done():
             load.cancel()
-    figures = _lost_figures("gray-pod", [o for o in run.outcomes if o.started < gray_since])
-    held = [o for o in run.outcomes if o.started >= gray_since and o.status != 200]
-    figures.append(Figure(
-        "gray-pod", "requests held by it, answered 504 after the response timeout",
-        f"{len(held)}" + (f" ({LoadRun.causes(held)})" if held else ""),
-        f"all {GRAY_HELD_STATUS}", all(o.status == GRAY_HELD_STATUS for o in held)))
+    # Requests at the pod when it turns gray, and those routed to it before the pickers see it,
+    # cannot succeed: they must be answered (504 once the pod was silent for the response
+    # timeout), never left hanging, and no other request may fail.
+    failed = LoadRun.lost(run.outcomes)
+    held = [o for o in failed if o.status == GRAY_HELD_STATUS]
+    figures = [
+        Figure("gray-pod", "requests held by it, answered 504 after the response timeout",
+               f"{len(held)} of {len(run.outcomes)}", ""),
+        Figure("gray-pod", "other failures (no answer, or another status)",
+               f"{len(failed) - len(held)}"
+               + (f" ({LoadRun.causes([o for o in failed if o not in held])})"
+                  if len(failed) > len(held) else ""), "0", len(failed) == len(held)),
+        _lost_figures("gray-pod", run.outcomes)[1],  # answers naming another model
+    ]
     if warm is None or end is None:
         return [Figure("gray-pod", "pickers' request counters", "unreadable", "readable",
                        False), *figures]
