@@ -114,7 +114,7 @@ def test_in_flight_counts_reach_the_views(table: PodTable) -> None:
 def test_snapshot_sink_counts_bad_payloads(table: PodTable) -> None:
     bad: list[int] = []
     late: list[int] = []
-    sink = SnapshotSink("p", table, on_undecodable=lambda: bad.append(1),
+    sink = SnapshotSink({"p": table}.get, on_undecodable=lambda: bad.append(1),
                         on_out_of_order=lambda: late.append(1))
     sink.accept("lig.metrics.p.pod-a", b"\x93garbage")
     sink.accept("lig.metrics.p.pod-a", encode(msgspec.structs.replace(snapshot("pod-a", 1),

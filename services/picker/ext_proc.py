@@ -40,9 +40,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.responses import ResponseRewriter
-from services.picker.routing import Rejected, Routed, Router, reject
-from services.picker.state import PodTable
+from services.picker.routing import Rejected, Routed, reject
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.picker.ext_proc")
@@ -67,13 +67,12 @@ def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
 
 
 class Processor:
-    """What every stream shares: the router, the pod table, metrics and prebuilt answers."""
+    """What every stream shares: the gateway (pools, routers, pod tables), metrics and prebuilt
+    answers."""
 
-    def __init__(self, router: Router, pods: PodTable, metrics: PickerMetrics,
-                 destination_header: str,
+    def __init__(self, gateway: Gateway, metrics: PickerMetrics, destination_header: str,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.router = router
-        self.pods = pods
+        self.gateway = gateway
         self.metrics = metrics
         self.header = destination_header.lower()
         self._clock = clock
@@ -112,13 +111,16 @@ class Processor:
             self._headers_overridden[key] = reply
         return reply
 
-    def route(self, body: bytes | None) -> Routed | Rejected:
-        """Route one request (``None``: it has no body), counting the outcome."""
+    def route(self, body: bytes | None, method: str = "GET",
+              path: str = "/") -> Routed | Rejected:
+        """Route one request (``None``: it has no body; then ``method`` and ``path`` say what
+        it asks), counting the outcome."""
         start = self._clock()
-        result = self.router.route(body) if body is not None else self.router.route_bodiless()
+        result = (self.gateway.route(body) if body is not None
+                  else self.gateway.route_bodiless(method, path))
         self.metrics.decision_seconds.observe(self._clock() - start)
         if isinstance(result, Routed):
-            self.pods.started(result.pod)
+            self.gateway.started(result)
             self.metrics.count_request(result.model, result.target_model, result.registered,
                                        result.pod, "routed")
         else:
@@ -206,7 +208,7 @@ class Exchange:
         """The stream ended: the request is no longer in flight; count its token usage."""
         routed = self.routed
         if routed is not None:
-            self._p.pods.finished(routed.pod)
+            self._p.gateway.finished(routed)
         usage = self._rewriter.usage if self._rewriter is not None else None
         if usage is not None:
             if routed is not None:
@@ -229,10 +231,12 @@ class Exchange:
                 self._rewrite_to = urllib.parse.unquote(requested.decode(errors="replace"))
                 return (self._p.rewrite_headers_continue,)
         if message.request_headers.end_of_stream or self._request_mode == NONE:
-            return (self._answer_headers_with(self._p.route(None)),)
+            headers = message.request_headers
+            return (self._answer_headers_with(self._p.route(
+                None, _text(_header(headers, ":method")), _text(_header(headers, ":path")))),)
         if self._hold_headers:
             return ()
-        self._reports_status = self._p.pods.wants_outcome()
+        self._reports_status = self._p.gateway.wants_outcome()
         if self._request_mode == STREAMED or self._reports_status:
             # STREAMED: Envoy would send the headers upstream before the body (and so the
             # destination) is known: ask for the body buffered instead. Chunks are still
@@ -255,7 +259,7 @@ class Exchange:
         # stream (headers or a body again): the request it replaces is no longer in flight,
         # and only the newest decision may ask for the response rewrite.
         if self.routed is not None:
-            self._p.pods.finished(self.routed.pod)
+            self._p.gateway.finished(self.routed)
         self.routed = routed
         self._rewrite_to = routed.model if routed.body is not None else None
 
@@ -316,7 +320,7 @@ class Exchange:
         if self._reports_status:
             self._reports_status = False
             if self.routed is not None:
-                self._p.pods.responded(self.routed.pod, _status(headers))
+                self._p.gateway.responded(self.routed, _status(headers))
             return (self._p.response_headers_continue,)  # the rewrite filters do the rest
         rewrite_to = self._rewrite_to
         if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
@@ -366,6 +370,10 @@ def _header(headers: pb.HttpHeaders, key: str) -> bytes | None:
         if header.key == key:
             return header.raw_value or header.value.encode()
     return None
+
+
+def _text(value: bytes | None) -> str:
+    return value.decode(errors="replace") if value is not None else ""
 
 
 def _status(headers: pb.HttpHeaders) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -49,6 +49,7 @@ class Routed(msgspec.Struct, frozen=True):
     target_model: str
     registered: bool
     body: bytes | None = None
+    pool: str = ""  # the pool whose pod was chosen
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -60,6 +61,11 @@ class Rejected(msgspec.Struct, frozen=True):
     model: str = ""
     target_model: str = ""
     registered: bool = False
+    pool: str = ""  # the pool the model resolved to ("" when none)
+
+
+class Answered(Rejected, frozen=True):
+    """A direct answer that is not an error (``GET /v1/models``): same fields, status 2xx."""
 
 
 class _ErrorDetail(msgspec.Struct):
@@ -185,18 +191,31 @@ class Router:
 
         Every client mistake in ``body`` is a 400 :class:`Rejected` (never an exception).
         """
-        fields = _request_fields(body)
-        if isinstance(fields, Rejected):
-            return fields
-        requested = fields.model
-        if requested is None:
-            return reject(400, 'request body has no "model" field', "missing_model")
+        requested = requested_model(body)
+        if isinstance(requested, Rejected):
+            return requested
+        return self.route_model(body, requested)
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` is registered in this pool."""
+        return model in self._models
+
+    @property
+    def models(self) -> Iterable[str]:
+        """The model names registered in this pool."""
+        return self._models.keys()
+
+    def route_model(self, body: bytes, requested: str) -> Routed | Rejected:
+        """Route a request for ``requested`` (read from ``body`` by :func:`requested_model`)
+        over this pool's pods."""
         route = self._models.get(requested)
+        pool = self.pool_name
         if route is None:
             if self._pool is not None and self._pool.reject_unknown_models:
                 quoted = msgspec.json.encode(requested).decode()
-                return reject(404, f"model {quoted} is not served by pool {self._quoted_pool}",
-                              "model_not_found", requested)
+                rejected = reject(404, f"model {quoted} is not served by pool "
+                                  f"{self._quoted_pool}", "model_not_found", requested)
+                return msgspec.structs.replace(rejected, pool=pool)
             target, criticality = requested, Criticality.STANDARD
         else:
             target, criticality = route.draw(self._rng), route.criticality
@@ -204,26 +223,27 @@ class Router:
         request = SchedulingRequest(requested, target, criticality)
         pick = self._choose(request)
         if isinstance(pick, Rejected):
-            return Rejected(pick.status, pick.outcome, pick.body, requested, target, registered)
+            return Rejected(pick.status, pick.outcome, pick.body, requested, target, registered,
+                            pool)
         new_body = None
         if target != requested:
             new_body = rewrite_model(body, target)
             if isinstance(new_body, Rejected):
                 return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
-                                target, registered)
-        return Routed(pick.name, pick.address, requested, target, registered, new_body)
+                                target, registered, pool)
+        return Routed(pick.name, pick.address, requested, target, registered, new_body, pool)
 
     def route_bodiless(self) -> Routed | Rejected:
         """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod."""
         fresh = self.pods.fresh_views()
         if fresh:
             pick = fresh[self._rng.randrange(len(fresh))]
-            return Routed(pick.name, pick.address, "", "", False)
+            return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name)
         endpoints = self.pods.endpoints
         if not endpoints:
             return self._no_endpoint()
         endpoint = endpoints[self._rng.randrange(len(endpoints))]
-        return Routed(endpoint.name, endpoint.hostport, "", "", False)
+        return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name)
 
     def _choose(self, request: SchedulingRequest) -> PodView | Rejected:
         pods = self.pods.fresh_views()
@@ -232,7 +252,7 @@ class Router:
         explain = log.isEnabledFor(logging.DEBUG)
         decision = self._policy.schedule(request, pods, explain=explain)
         if explain:
-            _log_decision(request, decision)
+            _log_decision(self.pool_name, request, decision)
         if decision.pick is not None:
             return decision.pick
         if decision.shed:
@@ -256,6 +276,16 @@ class Router:
     def _no_endpoint(self) -> Rejected:
         return reject(503, f"pool {self._quoted_pool} has no ready endpoint",
                       "no_ready_endpoint")
+
+
+def requested_model(body: bytes) -> str | Rejected:
+    """The ``model`` a request body asks for, or the 400 answering a malformed body."""
+    fields = _request_fields(body)
+    if isinstance(fields, Rejected):
+        return fields
+    if fields.model is None:
+        return reject(400, 'request body has no "model" field', "missing_model")
+    return fields.model
 
 
 def _request_fields(body: bytes) -> RequestFields | Rejected:
@@ -296,11 +326,11 @@ def rewrite_model(body: bytes, target: str) -> bytes | Rejected:
     return msgspec.json.encode(members)
 
 
-def _log_decision(request: SchedulingRequest, decision: Decision) -> None:
+def _log_decision(pool: str, request: SchedulingRequest, decision: Decision) -> None:
     steps: Sequence[str] = [
         f"{step.step}: {len(step.entered)}->{len(step.kept)} [{step.branch}]"
         for step in decision.steps
     ]
-    log.debug("decision model=%s target=%s criticality=%s pick=%s shed=%s steps=%s",
-              request.model, request.target_model, request.criticality.value,
+    log.debug("decision pool=%s model=%s target=%s criticality=%s pick=%s shed=%s steps=%s",
+              pool, request.model, request.target_model, request.criticality.value,
               decision.pick.name if decision.pick else None, decision.shed, "; ".join(steps))
