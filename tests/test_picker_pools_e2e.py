@@ -192,6 +192,7 @@ def test_a_model_moved_to_the_other_pool_is_routed_there_within_a_second(
             landed = time.monotonic()
             break
     assert landed is not None, "never routed to the new pool"
+    print(f"moved model routed to the new pool after {landed - moved:.3f}s")  # shown with -s
     assert landed - moved < MOVE_WITHIN, f"took {landed - moved:.3f}s"
     assert set(pools.pods_serving("moving", 20)) <= pools.names("qwen")
 
