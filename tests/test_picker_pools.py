@@ -248,3 +248,12 @@ def test_ten_thousand_models_index_incrementally() -> None:
         "qwen": {f"m{i}" for i in range(0, 10_000, 2)}}))
     assert len(fleet.gateway.owner) == 10_000
     assert pool_of(fleet.route("m9999")) == "llama"
+
+
+def test_serving_every_pool_drops_a_pool_the_registry_removed() -> None:
+    fleet = Fleet()
+    for table in (fleet.view.pools, fleet.view.models, fleet.view.endpoints):
+        table.pop("qwen")
+    fleet.gateway.update(fleet.view, RegistryChanges(pools={"qwen"}, endpoints={"qwen"}))
+    assert set(fleet.gateway.routers) == {"llama"}
+    assert pool_of(fleet.route("anything")) == "llama"  # the only pool again: the default

@@ -89,6 +89,9 @@ def test_lig_up_serves_both_pools_at_one_address(tmp_path: Path) -> None:
         assert {(row["pool"], row["pod"]) for row in report["pods"]} == {
             ("llama-8b", "llama-0"), ("llama-8b", "llama-1"),
             ("qwen-32b", "qwen-0"), ("qwen-32b", "qwen-1")}
+        assert {(row["pool"], row["fresh"], tuple(row["models"])) for row in report["pools"]} == {
+            ("llama-8b", 2, ("meta-llama/Llama-3.1-8B-Instruct", "sql-lora")),
+            ("qwen-32b", 2, ("Qwen/Qwen2.5-32B-Instruct", "qwen-poet"))}
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

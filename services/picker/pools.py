@@ -16,7 +16,7 @@ Each served pool keeps its own :class:`~services.picker.routing.Router` (policy,
   first pool, by name, that has a pod).
 
 A picker given no pool serves every pool of the registry (pools appear as the registry publishes
-them; a pool removed from the registry keeps a router with no pods and no models).
+them, and are dropped once the registry has nothing left of them).
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class Gateway:
             for pool in view.pools.keys() - self.routers.keys():
                 self._add(pool)
                 added.append(pool)
+            self._drop_removed(view)
         for pool, router in self.routers.items():
             router.update(view, None if pool in added else changes)
         if changes.everything or added:
@@ -141,6 +142,15 @@ class Gateway:
             self._model_list = None
         if before or self.conflicts:
             self._on_conflicts(len(self.conflicts))
+
+    def _drop_removed(self, view: RegistryView) -> None:
+        """Serving every pool: forget pools the registry no longer has at all (no pool, no
+        models, no endpoints), so that they stop counting as served (e.g. as the only pool)."""
+        for pool in list(self.routers):
+            if (pool not in view.pools and not view.models.get(pool) and pool not in view.endpoints
+                    and pool != self.unknown.default_pool):
+                del self.routers[pool]
+                log.info("pool %s is gone from the registry; no longer served", pool)
 
     def _index(self, name: str) -> bool:
         """Re-resolve one model name's pool; True when the index changed."""
