@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
+# `make up CONFIG=examples/two-pools`: serve every pool of a registry folder at one address.
 up: $(STAMP)
-	$(BIN)/lig up
+	$(BIN)/lig up $(if $(CONFIG),--config $(CONFIG))
 
 test: $(STAMP)
 	$(BIN)/ruff check .

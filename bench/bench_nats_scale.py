@@ -115,7 +115,7 @@ def _subscriber(url: str, apply: bool, pods: int, ready: Any, conn: Any) -> None
     async def main() -> None:
         table = PodTable(stale_after=1.0)
         table.set_endpoints(endpoints(pods))
-        sink = SnapshotSink(POOL, table)
+        sink = SnapshotSink({POOL: table}.get)
         count = 0
 
         async def on_message(message: Any) -> None:

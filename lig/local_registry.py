@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import yaml
 
 from services.registry.crd import POOL_KIND
@@ -24,6 +25,11 @@ GENERATED_HEADER = (
     "# the endpoints that {source} lists for pool {pool}. The registry reads {source}\n"
     "# itself, so edits there are live (`lig registry --endpoints-override`).\n"
 )
+
+
+# On an InferencePool: `lig up` runs simulated pods serving this base model for the pool.
+SIMULATED_MODEL_ANNOTATION = "lig.dev/simulated-model"
+SIMULATED_ADDRESS = "127.0.0.1"
 
 
 class ConfigError(Exception):
@@ -49,6 +55,62 @@ def choose_pool(registry: Registry, wanted: str | None) -> str:
         raise ConfigError(f"the configuration has {len(names)} pools ({', '.join(names)}); "
                           "choose the one to serve with --pool")
     return names[0]
+
+
+def choose_pools(registry: Registry, wanted: list[str] | None) -> list[str]:
+    """The pools the stack serves: ``wanted`` (each must exist), or every pool of the
+    configuration (at least one)."""
+    names = [pool.name for pool in registry.pools]
+    if not names:
+        raise ConfigError("the configuration has no pools")
+    if not wanted:
+        return names
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise ConfigError(f"pool(s) {', '.join(map(repr, missing))} not in the configuration "
+                          f"(it has: {', '.join(names)})")
+    return list(dict.fromkeys(wanted))
+
+
+class SimulatedPool(msgspec.Struct, frozen=True):
+    """A pool whose pods ``lig up`` simulates: one ``lig sim`` process serving ``model`` and
+    ``adapters`` on the consecutive ports of ``pods``."""
+
+    pool: str
+    model: str
+    adapters: list[str]
+    pods: list[Endpoint]
+
+
+def simulated_pools(path: Path, registry: Registry, pools: list[str]) -> list[SimulatedPool]:
+    """Those of ``pools`` whose InferencePool carries the ``lig.dev/simulated-model``
+    annotation, with the endpoints the configuration lists for them (which must be consecutive
+    ports on 127.0.0.1, where the simulator listens)."""
+    models: dict[str, str] = {}
+    for source_file in read_files([str(path)]).files:
+        for document in yaml.safe_load_all(source_file.text):
+            if not isinstance(document, dict) or document.get("kind") != POOL_KIND:
+                continue
+            metadata = document.get("metadata") or {}
+            annotations = metadata.get("annotations") or {}
+            model = annotations.get(SIMULATED_MODEL_ANNOTATION)
+            if isinstance(model, str) and model:
+                models[metadata.get("name", "")] = model
+    simulated = []
+    for pool in pools:
+        model = models.get(pool)
+        if model is None:
+            continue
+        pods = sorted(pool_endpoints(registry, pool), key=lambda endpoint: endpoint.port)
+        ports = [pod.port for pod in pods]
+        if (not pods or any(pod.address != SIMULATED_ADDRESS for pod in pods)
+                or ports != list(range(ports[0], ports[0] + len(ports)))):
+            raise ConfigError(f"pool {pool!r} is annotated {SIMULATED_MODEL_ANNOTATION} but its "
+                              f"endpoints are not consecutive ports on {SIMULATED_ADDRESS}, "
+                              "where the simulated pods listen")
+        simulated.append(SimulatedPool(pool, model, simulated_adapters(registry, pool, model),
+                                       pods))
+    return simulated
 
 
 def pool_endpoints(registry: Registry, pool: str) -> list[Endpoint]:

@@ -1,9 +1,10 @@
 """Waiting until the stack ``lig up`` started is ready to serve, or saying why it is not.
 
 Ready means, in order of what usually comes first: NATS answers; the simulated pods answer
-``/health``; the registry has published the pool's endpoints; every pod has a metrics snapshot
-(an ok one for simulated pods); every picker reports ``readiness`` SERVING over gRPC health;
-Envoy's admin ``/ready`` says LIVE; and a ``GET /v1/models`` through Envoy reaches a pod.
+``/health``; the registry has published every served pool's endpoints; every pod has a metrics
+snapshot (an ok one for simulated pods); every picker reports ``readiness`` SERVING over gRPC
+health; Envoy's admin ``/ready`` says LIVE; and a ``GET /v1/models`` through Envoy is answered
+(by a picker, from the registry).
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ class _Stack:
             # request times out and the check is simply not passed yet.
             js = self.nc.jetstream(timeout=PROBE_TIMEOUT)
             kv = await js.key_value(self.subjects.registry_bucket)
-            entry = await kv.get(endpoints_key(self.plan.pool))
-            published = decode(entry.value or b"", EndpointSet)
+            for pool in self.plan.pools or [self.plan.pool]:
+                entry = await kv.get(endpoints_key(pool))
+                if not decode(entry.value or b"", EndpointSet).endpoints:
+                    return False
         except (BucketNotFoundError, KeyNotFoundError, NotFoundError, DecodeError,
                 NatsError, TimeoutError):
             return False
-        return bool(published.endpoints)
+        return True
 
     async def snapshots_arrived(self) -> bool:
         if self.nc is None:
@@ -99,7 +102,7 @@ def _checks(stack: _Stack) -> list[Check]:
     plan = stack.plan
     checks = [Check("nats", stack.nats, "nats")]
     if plan.pods:
-        checks.append(Check("simulated pods", stack.pods, "sim"))
+        checks.append(Check("simulated pods", stack.pods, plan.sim_name(plan.sims[0])))
     checks += [Check("registry", stack.registry, "registry"),
                Check("first snapshots", stack.snapshots_arrived, "collector")]
     for i, picker in enumerate(plan.ports.pickers):
@@ -142,7 +145,7 @@ async def wait_until_ready(plan: StackPlan, supervisor: Supervisor, stop: asynci
                     return _timed_out(pending, supervisor, within)
                 if stack.nc is None and connecting.done():
                     stack.nc = connecting.result()
-                    await stack.nc.subscribe(stack.subjects.pool_metrics(plan.pool),
+                    await stack.nc.subscribe(stack.subjects.all_metrics(),
                                              cb=stack.on_snapshot)
                 for check in list(pending):
                     if await check.probe():

@@ -1,5 +1,6 @@
-"""``lig status``: the pods of every pool with their latest metrics and freshness, and the pickers'
-request counts, from NATS (and the pickers' Prometheus endpoints).
+"""``lig status``: every pool (its pods and models), the pods of every pool with their latest
+metrics and freshness, and the pickers' request counts, from NATS (and the pickers' Prometheus
+endpoints).
 
 Pods and their addresses come from the registry's KV bucket. Each pod's latest snapshot is the
 newest one recorded in the metrics stream (so a pod whose collector died shows its growing age),
@@ -60,6 +61,15 @@ class PodRow(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+class PoolRow(msgspec.Struct, frozen=True):
+    """One pool of the registry: its member pods, how many are fresh, its model names."""
+
+    pool: str
+    pods: int
+    fresh: int
+    models: list[str]
+
+
 class PickerRow(msgspec.Struct, frozen=True):
     """One picker's request counts by outcome (``routed``, ``429``...), or why they are unknown."""
 
@@ -75,6 +85,7 @@ class Report(msgspec.Struct, frozen=True):
     stale_after_s: float
     pods: list[PodRow]
     pickers: list[PickerRow]
+    pools: list[PoolRow] = []
 
     def all_fresh(self) -> bool:
         return bool(self.pods) and all(row.state == "fresh" for row in self.pods)
@@ -174,7 +185,16 @@ async def collect(nc: Client, settings: NatsSettings, picker_urls: list[str],
                     now_ns, stale_after) for pool, endpoint in members]
     async with httpx.AsyncClient(timeout=2.0) as client:
         pickers = await asyncio.gather(*(scrape_picker(client, url) for url in picker_urls))
-    return Report(settings.url, stale_after, rows, list(pickers))
+    return Report(settings.url, stale_after, rows, list(pickers), pool_rows(view, rows))
+
+
+def pool_rows(view: RegistryView, pods: list[PodRow]) -> list[PoolRow]:
+    """One row per pool the registry names (by its pool, endpoints or models), by name."""
+    names = sorted(view.pools.keys() | view.endpoints.keys()
+                   | {pool for pool, models in view.models.items() if models})
+    return [PoolRow(name, sum(row.pool == name for row in pods),
+                    sum(row.pool == name and row.state == "fresh" for row in pods),
+                    sorted(view.models.get(name, {}))) for name in names]
 
 
 async def read_registry(nc: Client, subjects: Subjects, wait: float) -> RegistryView:
@@ -278,8 +298,13 @@ def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
 def render(report: Report) -> str:
     """The human-readable tables."""
     fresh = sum(row.state == "fresh" for row in report.pods)
-    lines = [f"NATS {report.nats_url}: {len(report.pods)} pods, {fresh} fresh "
-             f"(snapshot younger than {report.stale_after_s:g}s)", ""]
+    lines = [f"NATS {report.nats_url}: {len(report.pools)} pools, {len(report.pods)} pods, "
+             f"{fresh} fresh (snapshot younger than {report.stale_after_s:g}s)", ""]
+    if report.pools:
+        lines += _table(["POOL", "PODS", "FRESH", "MODELS"],
+                        ([row.pool, str(row.pods), str(row.fresh), ", ".join(row.models) or "-"]
+                         for row in report.pools))
+        lines.append("")
     if report.pods:
         lines += _table(
             ["POOL", "POD", "ADDRESS", "STATE", "AGE", "WAITING", "RUNNING", "KV", "ADAPTERS",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from lig.local_registry import SimulatedPool
 from lig.supervisor import ChildSpec
 from shared.schemas import Endpoint
 
@@ -158,7 +159,10 @@ class StackPlan(msgspec.Struct, frozen=True):
     """Everything ``lig up`` starts, decided before anything starts.
 
     ``nats_url`` is the embedded server's unless the user gave one (``embedded_nats`` False).
-    ``pods`` lists the simulated pods (empty when the user's own config serves real servers).
+    ``pools`` are the pools served (``pool`` the first); the pickers get ``picker_pools`` as
+    ``--pool`` flags (empty: they serve every pool of the registry, so pools added to the
+    configuration while it runs are served too). ``sims`` are the simulated pools, one
+    ``lig sim`` process each, and ``pods`` all their pods (empty when real servers serve).
     """
 
     state_dir: str
@@ -170,8 +174,9 @@ class StackPlan(msgspec.Struct, frozen=True):
     envoy_config: str
     registry_endpoints_override: str | None = None  # the simulated pods, for the pool's list
     pods: list[Endpoint] = []
-    base_model: str = BASE_MODEL
-    adapters: list[str] = []
+    pools: list[str] = []
+    picker_pools: list[str] = []
+    sims: list[SimulatedPool] = []
     sim_args: list[str] = []
     prefix: str = "lig"
     log_level: str = "INFO"
@@ -193,11 +198,11 @@ class StackPlan(msgspec.Struct, frozen=True):
                 "--port", str(self.ports.nats), "--jetstream",
                 "--store_dir", str(Path(self.state_dir) / "nats"), "--server_name", "lig-up",
             ]))
-        if self.pods:
-            lora_flags = [flag for name in self.adapters for flag in ("--lora", name)]
-            specs.append(ChildSpec("sim", self.lig(
-                "sim", "--pods", str(len(self.pods)), "--host", LOOPBACK,
-                "--base-port", str(self.ports.sim_base), "--model", self.base_model,
+        for sim in self.sims:
+            lora_flags = [flag for name in sim.adapters for flag in ("--lora", name)]
+            specs.append(ChildSpec(self.sim_name(sim), self.lig(
+                "sim", "--pods", str(len(sim.pods)), "--host", LOOPBACK,
+                "--base-port", str(sim.pods[0].port), "--model", sim.model,
                 *lora_flags, "--log-level", self.log_level, *self.sim_args,
             )))
         override = (["--endpoints-override", self.registry_endpoints_override]
@@ -212,7 +217,8 @@ class StackPlan(msgspec.Struct, frozen=True):
         )))
         for i, picker in enumerate(self.ports.pickers):
             specs.append(ChildSpec(f"picker-{i}", self.lig(
-                "picker", "--pool", self.pool, "--host", LOOPBACK,
+                "picker", *[flag for pool in self.picker_pools for flag in ("--pool", pool)],
+                "--host", LOOPBACK,
                 "--grpc-port", str(picker.grpc), "--health-port", str(picker.health),
                 "--metrics-port", str(picker.metrics), *self.nats_flags(),
             )))
@@ -221,6 +227,11 @@ class StackPlan(msgspec.Struct, frozen=True):
             "--disable-hot-restart", "--log-level", "warning",
         ]))
         return [ChildSpec(s.name, s.argv, {"PYTHONUNBUFFERED": "1"}) for s in specs]
+
+    def sim_name(self, sim: SimulatedPool) -> str:
+        """The child name of ``sim``'s process: ``sim``, or ``sim-<pool>`` when there are
+        several."""
+        return "sim" if len(self.sims) == 1 else f"sim-{sim.pool}"
 
     def picker_metrics_urls(self) -> list[str]:
         return [f"http://{LOOPBACK}:{p.metrics}/metrics" for p in self.ports.pickers]
@@ -239,6 +250,7 @@ class StackInfo(msgspec.Struct, frozen=True):
     picker_metrics: list[str]
     pid: int
     ports: list[int] = []  # every port the stack's children listen on
+    pools: list[str] = []  # every pool served (``pool`` is the first)
 
     def write(self, state_dir: Path) -> Path:
         path = state_dir / STACK_FILE

@@ -55,11 +55,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="more flags for `lig sim`, in one string (e.g. --sim-args="
                              "'--time-scale 10 --max-num-seqs 8'); see `lig sim --help`")
     parser.add_argument("--config", type=Path, default=None, metavar="DIR",
-                        help="your own registry configuration (pools listing real model "
-                             "servers); no simulators are started. Default: the example in "
-                             "examples/local, served by simulated pods")
-    parser.add_argument("--pool", default=None,
-                        help="the pool the pickers serve, when the configuration has several")
+                        help="your own registry configuration (pools listing their model "
+                             "servers), every pool served at one address; pools annotated "
+                             "lig.dev/simulated-model get simulated pods on their listed ports "
+                             "(see examples/two-pools), the others must be real servers. "
+                             "Default: the example in examples/local, served by simulated pods")
+    parser.add_argument("--pool", action="append", default=None, metavar="POOL",
+                        help="serve only this pool of the configuration (repeatable); default: "
+                             "every pool, each request routed to the pool of its model")
     parser.add_argument("--nats-url", default=None,
                         help="use this NATS (with JetStream) instead of starting one")
     parser.add_argument("--prefix", default="lig", help="NATS subject prefix")
@@ -113,23 +116,28 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     simulate = args.config is None
     config_path = EXAMPLE_CONFIG if simulate else args.config.resolve()
     registry = local_registry.load_config(config_path)
-    pool = local_registry.choose_pool(registry, args.pool)
+    pools = local_registry.choose_pools(registry, args.pool)
+    pool = pools[0]
     ports = (free_ports(args.pickers, args.pods if simulate else 0, args.port) if args.free_ports
              else default_ports(args.pickers, args.port))
     state_dir.mkdir(parents=True, exist_ok=True)
 
     override = None
-    pods = []
     if simulate:
         pods = local_registry.simulated_endpoints(registry, pool, args.pods, ports.sim_base,
                                                   LOOPBACK)
         if not local_registry.same_members(pods, local_registry.pool_endpoints(registry, pool)):
             override = str(local_registry.write_endpoints_override(
                 config_path, pool, pods, state_dir / ENDPOINTS_OVERRIDE_FILE))
-    elif not local_registry.pool_endpoints(registry, pool):
-        raise local_registry.ConfigError(
-            f"pool {pool!r} in {config_path} lists no endpoints; `lig up` needs them listed "
-            "(spec.endpoints, see docs/registry.md)")
+        sims = [local_registry.SimulatedPool(
+            pool, BASE_MODEL, local_registry.simulated_adapters(registry, pool, BASE_MODEL), pods)]
+    else:
+        sims = local_registry.simulated_pools(config_path, registry, pools)
+        for name in pools:
+            if not local_registry.pool_endpoints(registry, name):
+                raise local_registry.ConfigError(
+                    f"pool {name!r} in {config_path} lists no endpoints; `lig up` needs them "
+                    "listed (spec.endpoints, see docs/registry.md)")
 
     embedded = args.nats_url is None
     envoy_config = state_dir / "envoy.yaml"
@@ -137,10 +145,9 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
         state_dir=str(state_dir), ports=ports,
         nats_url=f"nats://{LOOPBACK}:{ports.nats}" if embedded else args.nats_url,
         embedded_nats=embedded, pool=pool, registry_paths=[str(config_path)],
-        registry_endpoints_override=override,
-        envoy_config=str(envoy_config), pods=pods, base_model=BASE_MODEL,
-        adapters=local_registry.simulated_adapters(registry, pool, BASE_MODEL) if simulate
-        else [],
+        registry_endpoints_override=override, envoy_config=str(envoy_config),
+        pods=[pod for sim in sims for pod in sim.pods], pools=pools,
+        picker_pools=args.pool or [], sims=sims,
         sim_args=shlex.split(args.sim_args), prefix=args.prefix, log_level=args.log_level,
     )
     # Loopback only: the stack has no authentication, so it is not offered to the network.
@@ -157,7 +164,7 @@ def planned_ports(plan: StackPlan) -> list[int]:
     ports: Ports = plan.ports
     listed = [ports.gateway, ports.envoy_admin, ports.registry_metrics, ports.collector_metrics,
               *(port for p in ports.pickers for port in (p.grpc, p.health, p.metrics)),
-              *ports.sim_ports(len(plan.pods))]
+              *(pod.port for pod in plan.pods)]
     return [ports.nats, *listed] if plan.embedded_nats else listed
 
 
@@ -178,7 +185,8 @@ async def _up(plan: StackPlan, children: list[ChildSpec], registry: Registry, ve
             print(f"lig up: not ready: {failure}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         StackInfo(plan.nats_url, plan.prefix, plan.pool, plan.gateway_url(),
-                  plan.picker_metrics_urls(), os.getpid(), planned_ports(plan)).write(state_dir)
+                  plan.picker_metrics_urls(), os.getpid(), planned_ports(plan),
+                  plan.pools).write(state_dir)
         print(summary(plan, registry, supervisor, time.monotonic() - started), flush=True)
         dead = await _watch(supervisor, stop)
         if dead is not None:
@@ -221,26 +229,27 @@ def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed
                  if plan.registry_endpoints_override else "")
     rows.append(("registry", f"{', '.join(plan.registry_paths)}  (edits are live{pods_from}; "
                              f"metrics :{ports.registry_metrics})", pids.get("registry")))
-    rows.append(("collector", f"scrapes every pod of {plan.pool}  (metrics :"
+    rows.append(("collector", f"scrapes every pod of {', '.join(plan.pools)}  (metrics :"
                               f"{ports.collector_metrics})", pids.get("collector")))
     for i, picker in enumerate(ports.pickers):
         rows.append((f"picker-{i}", f"ext_proc :{picker.grpc}, health :{picker.health}, "
                                     f"metrics :{picker.metrics}", pids.get(f"picker-{i}")))
-    if plan.pods:
-        rows.append(("sim", f"{len(plan.pods)} pods on :{plan.pods[0].port}-"
-                            f"{plan.pods[-1].port}  ({plan.base_model} + LoRA "
-                            f"{', '.join(plan.adapters)})", pids.get("sim")))
+    for sim in plan.sims:
+        name = plan.sim_name(sim)
+        rows.append((name, f"{len(sim.pods)} pods of {sim.pool} on :{sim.pods[0].port}-"
+                           f"{sim.pods[-1].port}  ({sim.model} + LoRA "
+                           f"{', '.join(sim.adapters) or 'none'})", pids.get(name)))
     lines = [f"lig up: ready in {elapsed:.1f}s; send requests to {plan.gateway_url()}", ""]
     lines += [f"  {name:<10} {what}" + (f"  [pid {pid}]" if pid else "") for name, what, pid
               in rows]
-    lines += ["", "Models:"]
-    for model in registry.models:
-        if model.pool == plan.pool:
-            split = ", ".join(f"{t.name} ({t.weight})" for t in model.target_models)
-            lines.append(f"  {model.model_name:<34} {model.criticality.value:<9} -> {split}")
-    example = next((m.model_name for m in registry.models
-                    if m.pool == plan.pool and m.criticality != Criticality.SHEDDABLE),
-                   plan.base_model)
+    lines += ["", "Models (GET /v1/models lists them):"]
+    served = [model for model in registry.models if model.pool in plan.pools]
+    for model in served:
+        split = ", ".join(f"{t.name} ({t.weight})" for t in model.target_models)
+        pool = f"[{model.pool}] " if len(plan.pools) > 1 else ""
+        lines.append(f"  {pool}{model.model_name:<34} {model.criticality.value:<9} -> {split}")
+    example = next((m.model_name for m in served if m.criticality != Criticality.SHEDDABLE),
+                   BASE_MODEL)
     body = f'{{"model": "{example}", "prompt": "Say hello", "max_tokens": 16}}'
     lines += [
         "", "Try:",

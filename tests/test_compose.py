@@ -112,14 +112,14 @@ def test_environment_variables_are_read_by_the_command_they_are_given_to() -> No
         if "LIG_NATS_URL" in environment:
             assert args.nats_url == environment["LIG_NATS_URL"] == "nats://nats:4222"
             assert args.nats_replicas == 1  # compose runs one NATS node
-        if "LIG_POOL" in environment:
-            assert args.pool == environment["LIG_POOL"]
+        if command == "picker":  # one picker serves every pool: no LIG_POOL, no --pool
+            assert "LIG_POOL" not in environment and args.pools is None
 
 
 def test_services_use_the_ports_and_pool_of_lig_up(up_plan: StackPlan) -> None:
     picker, up_picker = parsed("picker"), up_child(up_plan, "picker-0")
-    assert (picker.pool, picker.grpc_port, picker.health_port, picker.metrics_port) == (
-        up_picker.pool, up_picker.grpc_port, up_picker.health_port, up_picker.metrics_port)
+    assert (picker.pools, picker.grpc_port, picker.health_port, picker.metrics_port) == (
+        up_picker.pools, up_picker.grpc_port, up_picker.health_port, up_picker.metrics_port)
     assert parsed("collector").metrics_port == up_child(up_plan, "collector").metrics_port
     assert parsed("registry").metrics_port == up_child(up_plan, "registry").metrics_port
     sim, up_sim = parsed("sim"), up_child(up_plan, "sim")
@@ -182,7 +182,7 @@ def test_registry_reads_the_example_models_with_endpoints_at_the_simulators() ->
     sim = parsed("sim")
     address = SERVICES["sim"]["networks"]["default"]["ipv4_address"]
     pool = local_registry.choose_pool(config, None)
-    assert pool == parsed("picker").pool
+    assert parsed("picker").pools is None  # every pool of the registry, this one included
     assert [e.hostport for e in local_registry.pool_endpoints(config, pool)] == [
         f"{address}:{port}" for port in range(sim.base_port, sim.base_port + sim.pods)]
     subnet = COMPOSE["networks"]["default"]["ipam"]["config"][0]["subnet"]

@@ -243,7 +243,7 @@ def test_spoofed_destination_header_is_overwritten(shared: Stack) -> None:
     for spoof in (shared.pod(0).address, "127.0.0.1:9"):  # another member; nothing at all
         assert set(shared.served_by(5, headers={HEADER: spoof})) == {"pod-1"}
     assert shared.pod(1).received[-1].headers[HEADER] == shared.pod(1).address
-    response = shared.client.get("/v1/models", headers={HEADER: "127.0.0.1:9"})
+    response = shared.client.get("/health", headers={HEADER: "127.0.0.1:9"})
     assert response.status_code == 200
     assert response.headers["x-upstream"] in {u.name for u in shared.upstreams}
 
@@ -258,9 +258,19 @@ def test_stale_snapshots_stop_a_pod_from_being_chosen(shared: Stack) -> None:
 
 
 def test_bodiless_request_goes_to_a_pod_of_the_pool(shared: Stack) -> None:
-    response = shared.client.get("/v1/models")
+    response = shared.client.get("/health")
     assert response.status_code == 200
     assert response.json()["data"][0]["id"] == f"served-by-{response.headers['x-upstream']}"
+
+
+def test_model_list_is_answered_from_the_registry(shared: Stack) -> None:
+    response = shared.client.get("/v1/models")
+    assert response.status_code == 200
+    assert "x-upstream" not in response.headers  # no pod was asked
+    listing = response.json()  # earlier tests of the module registered more models
+    assert listing["object"] == "list"
+    assert {"id": "plain", "owned_by": POOL, "object": "model", "created": 0} in listing["data"]
+    assert {entry["owned_by"] for entry in listing["data"]} == {POOL}
 
 
 @pytest.mark.parametrize("without_waiting", [True, False],

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from services.picker import epp
 from services.picker.ext_proc import DUPLEX, DUPLEX_CHUNK, MAX_DUPLEX_BODY, Exchange, Processor
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.routing import Routed, Router
 from services.picker.state import PodTable
 from shared.registry_view import RegistryView
@@ -55,7 +56,14 @@ def make_processor(fallbacks: int = 0, policy: str = "least-queue",
         pods.apply(PodMetrics(pool=POOL, pod=name, address=f"10.0.0.{i}:8000", seq=1,
                               scrape_time_ns=1, scrape_duration_s=0.0, ok=True,
                               waiting=waiting))
-    return Processor(router, pods, PickerMetrics(CollectorRegistry()), HEADER)
+    return Processor(Gateway.serving(router), PickerMetrics(CollectorRegistry()), HEADER)
+
+
+def pods_of(processor: Processor) -> PodTable:
+    """The one pool's pod table."""
+    table = processor.gateway.table(POOL)
+    assert table is not None
+    return table
 
 
 def headers_message(mode: int, headers: dict[str, str] | None = None,
@@ -153,25 +161,25 @@ def test_served_endpoint_moves_the_request_to_the_pod_that_served_it() -> None:
     exchange = Exchange(processor)
     exchange.handle(headers_message(DUPLEX))
     exchange.handle(body_message(b'{"model": "chat"}', True))
-    assert processor.pods.in_flight() == {"pod-0": 1}
+    assert pods_of(processor).in_flight() == {"pod-0": 1}
     response = pb.ProcessingRequest()
     response.response_headers.SetInParent()
     served = response.metadata_context.filter_metadata[epp.LB_NAMESPACE]
     served.fields[epp.SERVED_KEY].string_value = "10.0.0.1:8000"
     exchange.handle(response)
-    assert processor.pods.in_flight() == {"pod-1": 1}
-    views = {view.name: view for view in processor.pods.fresh_views()}
+    assert pods_of(processor).in_flight() == {"pod-1": 1}
+    views = {view.name: view for view in pods_of(processor).fresh_views()}
     assert (views["pod-0"].waiting, views["pod-1"].waiting) == (0, 3)  # load estimate moved
     exchange.close()
-    assert processor.pods.in_flight() == {}
+    assert pods_of(processor).in_flight() == {}
 
 
 def saturated(processor: Processor) -> Processor:
     """Every pod saturated for sheddable requests."""
     for name in WAITING:
-        processor.pods.apply(PodMetrics(pool=POOL, pod=name, address="", seq=2, scrape_time_ns=2,
-                                        scrape_duration_s=0.0, ok=True, waiting=500,
-                                        kv_cache_usage=0.99))
+        pods_of(processor).apply(PodMetrics(pool=POOL, pod=name, address="", seq=2,
+                                            scrape_time_ns=2, scrape_duration_s=0.0, ok=True,
+                                            waiting=500, kv_cache_usage=0.99))
     return processor
 
 
@@ -218,7 +226,7 @@ def test_duplex_body_beyond_the_limit_is_answered_413_without_holding_it() -> No
     assert reply.immediate_response.status.code == 413
     error = msgspec.json.decode(reply.immediate_response.body)["error"]
     assert (error["code"], error["type"]) == ("request_too_large", "invalid_request_error")
-    assert processor.pods.in_flight() == {}
+    assert pods_of(processor).in_flight() == {}
 
 
 def test_duplex_trailers_without_a_body_are_answered_not_left_waiting() -> None:

@@ -27,6 +27,7 @@ from services.picker.ext_proc import (
 from services.picker.http2 import Http2Server
 from services.picker.main import grpc_server
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.routing import Router
 from services.picker.state import PodTable
 from shared.registry_view import RegistryView
@@ -60,7 +61,7 @@ def make_processor(**pool_fields: object) -> Processor:
     router.update(view)
     pods.apply(PodMetrics(pool=POOL, pod="pod-a", address="10.1.2.3:8000", seq=1,
                           scrape_time_ns=1, scrape_duration_s=0.0, ok=True, waiting=0))
-    return Processor(router, pods, PickerMetrics(CollectorRegistry()), HEADER)
+    return Processor(Gateway.serving(router), PickerMetrics(CollectorRegistry()), HEADER)
 
 
 def request_headers(end_of_stream: bool = False, mode: int | None = BUFFERED,
@@ -119,9 +120,9 @@ def test_buffered_request_is_routed_with_header_metadata_and_no_body_change() ->
         "envoy.lb": {HEADER: "10.1.2.3:8000"}}
     assert exchange.handle(response_headers(b"application/json")) == (
         exchange._p.response_headers_continue,)
-    assert exchange._p.pods.in_flight() == {"pod-a": 1}
+    assert exchange._p.gateway.in_flight() == {"pod-a": 1}
     exchange.close()
-    assert exchange._p.pods.in_flight() == {}
+    assert exchange._p.gateway.in_flight() == {}
 
 
 def test_resolved_target_rewrites_body_content_length_and_the_response() -> None:
@@ -166,7 +167,7 @@ def test_rewrite_filter_stream_puts_the_requested_name_back() -> None:
     assert msgspec.json.decode(body_answer.response_body.response.body_mutation.body) == {
         "model": "llama/3 chat\u00e9"}
     exchange.close()
-    assert exchange._p.pods.in_flight() == {}
+    assert exchange._p.gateway.in_flight() == {}
 
 
 @pytest.mark.parametrize("content_type, mode", [(b"application/json", BUFFERED),
@@ -187,7 +188,7 @@ def test_rewrite_stream_starting_at_the_response_takes_the_name_from_metadata(
     assert b'"model":"llama/3 chat\xc3\xa9"' in (
         body_answer.response_body.response.body_mutation.body)
     exchange.close()
-    assert exchange._p.pods.in_flight() == {}
+    assert exchange._p.gateway.in_flight() == {}
 
 
 def test_rewrite_stream_without_the_name_passes_the_response_unchanged() -> None:
@@ -227,14 +228,15 @@ def test_errors_are_immediate_json_responses(body: bytes, status: int) -> None:
     assert set_headers(immediate) == {"content-type": b"application/json"}
     assert set(msgspec.json.decode(immediate.body)["error"]) == {"message", "type", "code"}
     exchange.close()
-    assert exchange._p.pods.in_flight() == {}
+    assert exchange._p.gateway.in_flight() == {}
 
 
 def test_429_carries_retry_after() -> None:
     processor = make_processor()
-    processor.pods.apply(PodMetrics(pool=POOL, pod="pod-a", address="10.1.2.3:8000", seq=2,
-                                    scrape_time_ns=2, scrape_duration_s=0.0, ok=True,
-                                    waiting=50, kv_cache_usage=0.99))
+    pods = processor.gateway.routers[POOL].pods
+    pods.apply(PodMetrics(pool=POOL, pod="pod-a", address="10.1.2.3:8000", seq=2,
+                          scrape_time_ns=2, scrape_duration_s=0.0, ok=True,
+                          waiting=50, kv_cache_usage=0.99))
     exchange = Exchange(processor)
     exchange.handle(request_headers())
     (answer,) = exchange.handle(request_body(b'{"model": "batch"}'))
@@ -282,7 +284,7 @@ def test_trailers_are_passed() -> None:
 
 
 class ExplodingRouter(Router):
-    def route(self, body: bytes):  # type: ignore[override]
+    def route_model(self, body: bytes, requested: str):  # type: ignore[override]
         raise RuntimeError("bug")
 
 
@@ -315,7 +317,8 @@ async def _start_builtin(processor: Processor) -> tuple[int, Http2Server]:
 @pytest.mark.parametrize("start", [_start_builtin, _start_grpc_aio], ids=["builtin", "grpc-aio"])
 async def test_a_bug_costs_one_request_not_the_stream_or_the_server(start) -> None:  # type: ignore[no-untyped-def]
     processor = make_processor()
-    processor.router = ExplodingRouter(POOL, processor.pods, random.Random(1))
+    processor.gateway = Gateway.serving(
+        ExplodingRouter(POOL, processor.gateway.routers[POOL].pods, random.Random(1)))
     port, server = await start(processor)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -339,10 +342,10 @@ async def _in_flight_settles(processor: Processor) -> dict[str, int]:
     """The in-flight counts once the server has closed its streams (it may lag the client by
     a loop turn or two; 2 s at most)."""
     for _ in range(200):
-        if not processor.pods.in_flight():
+        if not processor.gateway.in_flight():
             break
         await asyncio.sleep(0.01)  # the pod table has no event to wait on
-    return processor.pods.in_flight()
+    return processor.gateway.in_flight()
 
 
 @pytest.mark.parametrize("start", [_start_builtin, _start_grpc_aio], ids=["builtin", "grpc-aio"])
@@ -358,11 +361,11 @@ async def test_a_stream_that_routes_twice_leaves_nothing_in_flight(start) -> Non
                 assert (await call.read()).HasField("request_headers")
                 await call.write(request_body(body))
                 assert (await call.read()).request_body.response.header_mutation.set_headers
-                assert processor.pods.in_flight() == {"pod-a": 1}
+                assert processor.gateway.in_flight() == {"pod-a": 1}
             # a bodiless request routed on its headers, on the same stream
             await call.write(request_headers(end_of_stream=True))
             assert (await call.read()).request_headers.response.header_mutation.set_headers
-            assert processor.pods.in_flight() == {"pod-a": 1}
+            assert processor.gateway.in_flight() == {"pod-a": 1}
             await call.done_writing()
             assert await call.code() == grpc.StatusCode.OK
         assert await _in_flight_settles(processor) == {}
@@ -380,7 +383,7 @@ def test_only_the_newest_routing_of_a_stream_asks_for_the_response_rewrite() -> 
     (answer,) = exchange.handle(response_headers(b"application/json"))
     assert answer == exchange._p.response_headers_continue  # no rewrite of "plain"'s response
     exchange.close()
-    assert exchange._p.pods.in_flight() == {}
+    assert exchange._p.gateway.in_flight() == {}
 
 
 @pytest.mark.parametrize("start", [_start_builtin, _start_grpc_aio], ids=["builtin", "grpc-aio"])

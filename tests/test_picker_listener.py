@@ -23,6 +23,7 @@ from services.picker.ext_proc import Processor
 from services.picker.http2 import END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame
 from services.picker.main import EXIT_EXT_PROC_LOST, _BuiltinExtProc, _until_stopped_or_lost
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.routing import Router
 from services.picker.state import PodTable
 from tests.support.picker import PickerProcess
@@ -85,7 +86,7 @@ def test_the_builtin_server_survives_the_same_request(
 
 async def test_a_closed_builtin_listener_is_noticed() -> None:
     pods = PodTable(stale_after=1.0)
-    processor = Processor(Router("pool-a", pods, random.Random(1)), pods,
+    processor = Processor(Gateway.serving(Router("pool-a", pods, random.Random(1))),
                           PickerMetrics(CollectorRegistry()), "x-gateway-destination-endpoint")
     ext_proc = _BuiltinExtProc(processor, "127.0.0.1", 0, False, None)
     await ext_proc.start()

@@ -21,6 +21,7 @@ from services.picker.ext_proc import NONE, REWRITE_HEADER, Processor, http2_hand
 from services.picker.http2 import Http2Server
 from services.picker.main import _NatsLink
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.routing import Routed
 from services.picker.state import PodTable
 from shared.nats_connection import NatsSettings, connect
@@ -109,12 +110,13 @@ async def test_ten_thousand_models_apply_in_one_pass_while_the_loop_keeps_servin
     await kv.put(model_key(POOL, "chat"), encode(InferenceModel(
         model_name="chat", pool=POOL, target_models=(TargetModel("chat-v2", 1),))))
     router = TimedRouter(POOL, pods, random.Random(1))
-    server = Http2Server(http2_handlers(Processor(router, pods, PickerMetrics(CollectorRegistry()),
+    gateway = Gateway.serving(router)
+    server = Http2Server(http2_handlers(Processor(gateway, PickerMetrics(CollectorRegistry()),
                                                   "x-gateway-destination-endpoint")), 1 << 20)
     traffic = Traffic(await server.start("127.0.0.1", 0))
     view = RegistryView()
     # The picker's own NATS wiring (registry watch into the router), in this process.
-    link = _NatsLink(POOL, NatsSettings(url=nats_server.url), subjects, view, router, pods,
+    link = _NatsLink(NatsSettings(url=nats_server.url), subjects, view, gateway,
                      PickerMetrics(CollectorRegistry()))
     stop = asyncio.Event()
     task = asyncio.create_task(link.run(stop))

@@ -104,7 +104,7 @@ def test_non_members_are_ignored_and_pruned(table: PodTable) -> None:
 
 def test_snapshot_for_another_address_is_dropped_and_counted(table: PodTable) -> None:
     wrong: list[int] = []
-    sink = SnapshotSink("p", table, on_wrong_address=lambda: wrong.append(1))
+    sink = SnapshotSink({"p": table}.get, on_wrong_address=lambda: wrong.append(1))
     sink.accept("lig.metrics.p.pod-a", encode(snapshot("pod-a", 1, waiting=40)))
     # A forged (or stale) snapshot naming pod-a but another address: it must not make the
     # registered pod-a look idle.
@@ -141,7 +141,7 @@ def test_in_flight_counts_reach_the_views(table: PodTable) -> None:
 def test_snapshot_sink_counts_bad_payloads(table: PodTable) -> None:
     bad: list[int] = []
     late: list[int] = []
-    sink = SnapshotSink("p", table, on_undecodable=lambda: bad.append(1),
+    sink = SnapshotSink({"p": table}.get, on_undecodable=lambda: bad.append(1),
                         on_out_of_order=lambda: late.append(1))
     sink.accept("lig.metrics.p.pod-a", b"\x93garbage")
     sink.accept("lig.metrics.p.pod-a", encode(msgspec.structs.replace(snapshot("pod-a", 1),

@@ -547,3 +547,16 @@ def test_check_of_an_empty_folder_says_a_running_registry_would_refuse_it(
         "valid: 0 pool(s), 0 model(s) from 0 file(s)",
         "note: no pools; a running registry refuses to publish this over published pools unless "
         "--allow-empty (docs/registry.md)"]
+
+
+def test_check_warns_of_a_model_name_in_two_pools(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    twin = {**model(pool_name="pool-b"), "metadata": {"name": "model-a-in-b"}}
+    path = tmp_path / "two.yaml"
+    path.write_text(dump(POOL, MODEL, pool("pool-b"), twin))
+    assert check([str(path)], sys.stdout, sys.stderr) == 0
+    out = capsys.readouterr().out
+    assert ("warning: modelName 'model-a' is registered in pools pool-a, pool-b: a picker "
+            "serving several of them routes it to one pool only") in out

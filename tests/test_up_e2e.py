@@ -245,7 +245,9 @@ def test_status_shows_every_pod_fresh_and_requests_on_both_pickers(stack: Runnin
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].endswith("4 pods, 4 fresh (snapshot younger than 1s)"), result.stdout
-    pod_rows = [line.split() for line in lines if line.startswith("vllm-llama3-8b-instruct ")]
+    pool_row, *pod_rows = [line.split() for line in lines
+                           if line.startswith("vllm-llama3-8b-instruct ")]
+    assert pool_row[1:4] == ["4", "4", "meta-llama/Llama-3.1-8B-Instruct,"]  # pods, fresh, models
     assert sorted(row[1] for row in pod_rows) == ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
     assert all(row[3] == "fresh" for row in pod_rows), result.stdout
 

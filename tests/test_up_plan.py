@@ -120,3 +120,45 @@ def test_an_invalid_config_is_rejected_before_anything_starts(tmp_path: Path) ->
         up.make_plan(up_args("--config", str(tmp_path), "--state-dir", str(tmp_path / "s")))
     assert up.run(up_args("--config", str(tmp_path / "nowhere"),
                           "--state-dir", str(tmp_path / "s"))) == up.EXIT_BAD_USAGE
+
+
+TWO_POOLS = EXAMPLE_CONFIG.parent / "two-pools"
+
+
+def test_two_pools_are_served_by_every_picker_and_simulated_per_pool(tmp_path: Path) -> None:
+    plan, _ = up.make_plan(up_args("--config", str(TWO_POOLS), "--state-dir", str(tmp_path)))
+    assert plan.pools == ["llama-8b", "qwen-32b"]
+    children = {child.name: child.argv[3:] for child in plan.children()}
+    for name in ("picker-0", "picker-1"):  # no --pool: every pool of the registry
+        assert "--pool" not in children[name]
+    llama, qwen = children["sim-llama-8b"], children["sim-qwen-32b"]
+    assert llama[llama.index("--model") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert llama[llama.index("--base-port") + 1] == "8000"
+    assert qwen[qwen.index("--model") + 1] == "Qwen/Qwen2.5-32B-Instruct"
+    assert (qwen[qwen.index("--base-port") + 1], qwen[qwen.index("--pods") + 1]) == ("8010", "2")
+    assert [qwen[i + 1] for i, flag in enumerate(qwen) if flag == "--lora"] == [
+        "qwen-poet-1", "qwen-poet-2"]
+    assert [pod.port for pod in plan.pods] == [8000, 8001, 8010, 8011]
+    assert set(up.planned_ports(plan)) >= {8000, 8001, 8010, 8011}
+
+
+def test_pool_flags_choose_the_pools_served(tmp_path: Path) -> None:
+    plan, _ = up.make_plan(up_args("--config", str(TWO_POOLS), "--pool", "qwen-32b",
+                                   "--state-dir", str(tmp_path)))
+    assert plan.pools == ["qwen-32b"]
+    children = {child.name: child.argv[3:] for child in plan.children()}
+    picker = children["picker-0"]
+    assert picker[picker.index("--pool") + 1] == "qwen-32b"
+    assert "sim" in children and "sim-llama-8b" not in children
+    with pytest.raises(local_registry.ConfigError, match="'nope' not in the configuration"):
+        up.make_plan(up_args("--config", str(TWO_POOLS), "--pool", "nope",
+                             "--state-dir", str(tmp_path)))
+
+
+def test_a_simulated_pool_needs_consecutive_loopback_ports(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir()
+    text = (TWO_POOLS / "pools.yaml").read_text().replace("port: 8011", "port: 8019")
+    (config / "pools.yaml").write_text(text)
+    with pytest.raises(local_registry.ConfigError, match="not consecutive ports"):
+        up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))

@@ -23,12 +23,21 @@ from lig.status import (
     configure,
     latest_snapshots,
     pod_row,
+    pool_rows,
     render,
     request_counts,
 )
 from lig.topology import StackInfo
 from services.picker.observability import PickerMetrics
-from shared.schemas import Endpoint, EndpointSet, InferencePool, PodMetrics, encode
+from shared.registry_view import RegistryView
+from shared.schemas import (
+    Endpoint,
+    EndpointSet,
+    InferenceModel,
+    InferencePool,
+    PodMetrics,
+    encode,
+)
 from shared.subjects import Subjects, endpoints_key, pool_key
 from tests.support.ports import free_port
 
@@ -82,7 +91,8 @@ def test_render_shows_every_pod_and_picker() -> None:
     )
     text = render(report)
     lines = text.splitlines()
-    assert lines[0] == "NATS nats://127.0.0.1:4222: 2 pods, 1 fresh (snapshot younger than 1s)"
+    assert lines[0] == ("NATS nats://127.0.0.1:4222: 0 pools, 2 pods, 1 fresh (snapshot younger "
+                        "than 1s)")
     vllm0 = next(line for line in lines if " vllm-0 " in line)
     assert vllm0.split() == ["pool-a", "vllm-0", "127.0.0.1:8000", "fresh", "0.05s", "0", "0",
                              "50%", "a,b", "-", "4"]
@@ -210,3 +220,22 @@ def test_unreachable_nats_exits_2() -> None:
     result = run_status("--nats-url", f"nats://127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 2
     assert "cannot reach NATS" in result.stderr
+
+
+def test_status_shows_every_pool_with_its_models_even_without_pods() -> None:
+    view = RegistryView()
+    for name in ("llama", "qwen"):
+        view.pools[name] = InferencePool(name=name, target_port=8000)
+    view.models["llama"] = {"sql-lora": InferenceModel(model_name="sql-lora", pool="llama"),
+                            "base": InferenceModel(model_name="base", pool="llama")}
+    view.models["qwen"] = {"poet": InferenceModel(model_name="poet", pool="qwen")}
+    pods = [pod_row("llama", "llama-0", "127.0.0.1:8000", snapshot("llama-0", 0.05), NOW, 1.0),
+            pod_row("llama", "llama-1", "127.0.0.1:8001", None, NOW, 1.0)]
+    report = Report("nats://127.0.0.1:4222", 1.0, pods, [], pool_rows(view, pods))
+    assert [(r.pool, r.pods, r.fresh, r.models) for r in report.pools] == [
+        ("llama", 2, 1, ["base", "sql-lora"]), ("qwen", 0, 0, ["poet"])]
+    lines = render(report).splitlines()
+    assert lines[0].startswith("NATS nats://127.0.0.1:4222: 2 pools, 2 pods, 1 fresh")
+    assert lines[2].split() == ["POOL", "PODS", "FRESH", "MODELS"]
+    assert lines[3].split() == ["llama", "2", "1", "base,", "sql-lora"]
+    assert lines[4].split() == ["qwen", "0", "0", "poet"]

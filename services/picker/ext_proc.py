@@ -48,9 +48,9 @@ from envoy.type.v3 import http_status_pb2
 
 from services.picker import epp
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.responses import ResponseRewriter
-from services.picker.routing import Rejected, Routed, Router, reject
-from services.picker.state import PodTable
+from services.picker.routing import Rejected, Routed, reject
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.picker.ext_proc")
@@ -81,13 +81,12 @@ def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
 
 
 class Processor:
-    """What every stream shares: the router, the pod table, metrics and prebuilt answers."""
+    """What every stream shares: the gateway (pools, routers, pod tables), metrics and prebuilt
+    answers."""
 
-    def __init__(self, router: Router, pods: PodTable, metrics: PickerMetrics,
-                 destination_header: str,
+    def __init__(self, gateway: Gateway, metrics: PickerMetrics, destination_header: str,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.router = router
-        self.pods = pods
+        self.gateway = gateway
         self.metrics = metrics
         self.header = destination_header.lower()
         self._clock = clock
@@ -127,17 +126,17 @@ class Processor:
         return reply
 
     def route(self, body: bytes | None, subset: frozenset[str] | None = None,
-              objective: str | None = None) -> Routed | Rejected:
-        """Route one request (``None``: it has no body), counting the outcome; ``subset`` and
-        ``objective`` as :meth:`Router.route` takes them."""
+              objective: str | None = None, method: str = "GET",
+              path: str = "/") -> Routed | Rejected:
+        """Route one request, counting the outcome. ``None``: it has no body; then ``method``
+        and ``path`` say what it asks. ``subset`` and ``objective`` as :meth:`Router.route`
+        takes them."""
         start = self._clock()
-        if body is not None:
-            result = self.router.route(body, subset, objective)
-        else:
-            result = self.router.route_bodiless(subset)
+        result = (self.gateway.route(body, subset, objective) if body is not None
+                  else self.gateway.route_bodiless(method, path, subset))
         self.metrics.decision_seconds.observe(self._clock() - start)
         if isinstance(result, Routed):
-            self.pods.started(result.pod)
+            self.gateway.started(result)
             self.metrics.count_request(result.model, result.target_model, result.registered,
                                        result.pod, "routed")
         else:
@@ -171,13 +170,14 @@ class Processor:
         from now on; the decision to account for is returned."""
         if served == routed.endpoint:
             return routed
-        member = self.pods.member_at(served)
-        if member is None:
+        pods = self.gateway.table(routed.pool)
+        member = pods.member_at(served) if pods is not None else None
+        if pods is None or member is None:
             self._errors.warning("the gateway reports endpoint %s served a request, but it is no "
                                  "member of the pool; it stays accounted to %s", served,
                                  routed.pod)
             return routed
-        self.pods.served_elsewhere(routed.pod, member.name)
+        pods.served_elsewhere(routed.pod, member.name)
         self.metrics.count_served_elsewhere()
         return msgspec.structs.replace(routed, pod=member.name, endpoint=served)
 
@@ -268,7 +268,7 @@ class Exchange:
         """The stream ended: the request is no longer in flight; count its token usage."""
         routed = self.routed
         if routed is not None:
-            self._p.pods.finished(routed.pod)
+            self._p.gateway.finished(routed)
         usage = self._rewriter.usage if self._rewriter is not None else None
         if usage is not None:
             if routed is not None:
@@ -297,10 +297,13 @@ class Exchange:
                 self._rewrite_to = urllib.parse.unquote(requested.decode(errors="replace"))
                 return (self._p.rewrite_headers_continue,)
         if message.request_headers.end_of_stream or self._request_mode == NONE:
-            return (self._answer_headers_with(self._p.route(None, self._subset)),)
+            headers = message.request_headers
+            return (self._answer_headers_with(self._p.route(
+                None, self._subset, method=_text(_header(headers, ":method")),
+                path=_text(_header(headers, ":path")))),)
         if self._hold_headers:
             return ()
-        self._reports_status = self._p.pods.wants_outcome()
+        self._reports_status = self._p.gateway.wants_outcome()
         if self._request_mode == STREAMED or self._reports_status:
             # STREAMED: Envoy would send the headers upstream before the body (and so the
             # destination) is known: ask for the body buffered instead. Chunks are still
@@ -323,7 +326,7 @@ class Exchange:
         # stream (headers or a body again): the request it replaces is no longer in flight,
         # and only the newest decision may ask for the response rewrite.
         if self.routed is not None:
-            self._p.pods.finished(self.routed.pod)
+            self._p.gateway.finished(self.routed)
         self.routed = routed
         self._rewrite_to = routed.model if routed.body is not None else None
 
@@ -360,7 +363,7 @@ class Exchange:
         if isinstance(result, Rejected):
             return (self._p.immediate(result),)
         replies = [self._answer_headers_with(result)]
-        self._reports_status = self._p.pods.wants_outcome()
+        self._reports_status = self._p.gateway.wants_outcome()
         replies.extend(_streamed_bodies(
             result.body if result.body is not None else whole, not with_trailers, request=True))
         if with_trailers:
@@ -415,7 +418,7 @@ class Exchange:
         if self._reports_status:
             self._reports_status = False
             if self.routed is not None:
-                self._p.pods.responded(self.routed.pod, _status(headers))
+                self._p.gateway.responded(self.routed, _status(headers))
             return (self._p.response_headers_continue,)  # the rewrite filters do the rest
         rewrite_to = self._rewrite_to
         if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
@@ -449,7 +452,7 @@ class Exchange:
         runs; its chunks change length when rewriting, so Envoy frames the body then."""
         if self._reports_status and self.routed is not None:
             self._reports_status = False
-            self._p.pods.responded(self.routed.pod, _status(headers))
+            self._p.gateway.responded(self.routed, _status(headers))
         if headers.end_of_stream:
             return (self._p.response_headers_continue,)
         self._rewriter = ResponseRewriter(self._rewrite_to, _is_event_stream(headers))
@@ -512,6 +515,10 @@ def _header(headers: pb.HttpHeaders, key: str) -> bytes | None:
         if header.key == key:
             return header.raw_value or header.value.encode()
     return None
+
+
+def _text(value: bytes | None) -> str:
+    return value.decode(errors="replace") if value is not None else ""
 
 
 def _status(headers: pb.HttpHeaders) -> int:

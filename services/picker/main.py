@@ -1,4 +1,4 @@
-"""``lig picker``: the Envoy ext_proc endpoint picker of one pool, fed from NATS.
+"""``lig picker``: the Envoy ext_proc endpoint picker of one or more pools, fed from NATS.
 
 Wires the parts: registry watch and metric snapshots from NATS into the pod table and router;
 the ext_proc gRPC server; gRPC health; Prometheus metrics; and a housekeeping loop that flips
@@ -29,6 +29,7 @@ from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import Router
 from services.picker.state import PodTable
 from services.picker.tls import (
@@ -65,8 +66,21 @@ SERVERS = ("builtin", "grpc-aio")
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the picker's flags (see the service flag contract in the team brief)."""
     env = os.environ.get
-    parser.add_argument("--pool", default=env("LIG_POOL") or None, required=not env("LIG_POOL"),
-                        help="the InferencePool this picker serves (env LIG_POOL)")
+    parser.add_argument("--pool", action="append", dest="pools", metavar="POOL",
+                        default=None,
+                        help="an InferencePool this picker serves; repeat for several (env "
+                        "LIG_POOL, comma-separated). Without it the picker serves every pool of "
+                        "the registry. Requests are routed to the pool that registers their "
+                        "model; model names must be unique across the pools served")
+    parser.add_argument("--default-pool", default=env("LIG_DEFAULT_POOL") or None,
+                        help="the pool that takes requests for models no served pool registers "
+                        "(its rejectUnknownModels field still applies). Default: the only pool "
+                        "when one is served, else none (404) (env LIG_DEFAULT_POOL)")
+    parser.add_argument("--reject-unknown-models", action=argparse.BooleanOptionalAction,
+                        default=env("LIG_REJECT_UNKNOWN_MODELS", "") in ("1", "true", "yes"),
+                        help="answer 404 to every request for a model no served pool "
+                        "registers, whatever --default-pool and the pools' rejectUnknownModels "
+                        "say (env LIG_REJECT_UNKNOWN_MODELS=1)")
     parser.add_argument("--host", default=env("LIG_HOST", "127.0.0.1"),
                         help="address the ext_proc, health and metrics ports listen on; loopback "
                         "by default because ext_proc is plaintext unless --tls-cert is given: "
@@ -131,8 +145,11 @@ def _non_negative(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the picker until SIGTERM/SIGINT."""
-    if not args.pool:
-        raise SystemExit("--pool must name the InferencePool to serve")
+    args.pools = served_pools(args.pools, os.environ.get("LIG_POOL", ""))
+    if (args.default_pool is not None and not args.reject_unknown_models and args.pools
+            and args.default_pool not in args.pools):
+        raise SystemExit(f"--default-pool {args.default_pool} is not one of the pools served "
+                         f"(--pool {' --pool '.join(args.pools)})")
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
     args.tls = tls_from_args(args)  # wrong TLS flags fail here, before any worker starts
@@ -146,6 +163,30 @@ def run(args: argparse.Namespace) -> int:
 
         return supervise(args)
     return run_service(lambda stop: serve(args, stop, CollectorRegistry(), args.metrics_port))
+
+
+def served_pools(flags: list[str] | None, env_value: str) -> list[str]:
+    """The pools to serve: the ``--pool`` flags, else ``LIG_POOL`` (comma-separated); empty
+    means every pool of the registry. Duplicates are dropped, order kept."""
+    names = flags if flags else env_value.split(",")
+    return list(dict.fromkeys(name.strip() for name in names if name.strip()))
+
+
+def build_gateway(args: argparse.Namespace, metrics: PickerMetrics) -> Gateway:
+    """The gateway over the served pools, each pool with its own router and pod table."""
+    rng = random.Random(args.seed)
+
+    def make_router(pool: str) -> Router:
+        pods = PodTable(args.stale_after, load_estimate=args.load_estimate,
+                        gray=GrayPods(args.gray_after, args.outcome_sample,
+                                      on_exclude=lambda pod, reason:
+                                      metrics.gray_exclusions.labels(pod, reason).inc()))
+        return Router(pool, pods, rng, on_all_stale=metrics.all_stale.inc,
+                      fallbacks=args.fallbacks)
+
+    unknown = UnknownModels(reject=args.reject_unknown_models, default_pool=args.default_pool)
+    return Gateway(args.pools, make_router, unknown, rng,
+                   on_conflicts=metrics.model_conflicts.set)
 
 
 def grpc_server(reuse_port: bool) -> grpc.aio.Server:
@@ -270,14 +311,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     # the default 5 ms GIL switch interval that hand-off waits behind any busy Python code.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     metrics = PickerMetrics(registry)
-    pods = PodTable(args.stale_after, load_estimate=args.load_estimate,
-                    gray=GrayPods(args.gray_after, args.outcome_sample,
-                                  on_exclude=lambda pod, reason:
-                                  metrics.gray_exclusions.labels(pod, reason).inc()))
-    router = Router(args.pool, pods, random.Random(args.seed),
-                    on_all_stale=metrics.all_stale.inc,
-                    fallbacks=args.fallbacks)
-    processor = Processor(router, pods, metrics, args.destination_header)
+    gateway = build_gateway(args, metrics)
+    processor = Processor(gateway, metrics, args.destination_header)
 
     tls: TlsFiles | None = args.tls
     http_server = _serve_metrics(args.host, metrics_port, registry)
@@ -305,16 +340,22 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     settings = settings_from_args(args)
     subjects = Subjects(settings.prefix)
     view = RegistryView()
-    nats = _NatsLink(args.pool, settings, subjects, view, router, pods, metrics)
+    nats = _NatsLink(settings, subjects, view, gateway, metrics)
     tasks = [asyncio.create_task(nats.run(stop)),
-             asyncio.create_task(_housekeeping(stop, nats, pods, health, metrics))]
-    log.info("picker for pool %s: ext_proc (%s server, %s) on %s:%d, health on %s:%d, metrics "
-             "on %s, NATS %s, load estimate %s", args.pool, args.server,
+             asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics))]
+    log.info("picker for %s: ext_proc (%s server, %s) on %s:%d, health on %s:%d, metrics "
+             "on %s, NATS %s, load estimate %s",
+             "pools " + ", ".join(args.pools) if args.pools else "every pool", args.server,
              "plaintext" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
              args.host, ext_proc.port,
              args.host, health_port,
              f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url,
              "on" if args.load_estimate else "off")
+    log.info("pools served: %s; unknown models: %s",
+             ", ".join(args.pools) or "every pool of the registry",
+             "rejected (404)" if args.reject_unknown_models else
+             f"pool {args.default_pool}" if args.default_pool else
+             "the only pool served, else rejected (404)")
     lost = await _until_stopped_or_lost(stop, ext_proc)
 
     if lost is not None:
@@ -352,17 +393,17 @@ async def _until_stopped_or_lost(stop: asyncio.Event,
 class _NatsLink:
     """The NATS side: connect (forever), watch the registry, subscribe to snapshots."""
 
-    def __init__(self, pool: str, settings: NatsSettings, subjects: Subjects, view: RegistryView,
-                 router: Router, pods: PodTable, metrics: PickerMetrics) -> None:
+    def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
+                 gateway: Gateway, metrics: PickerMetrics) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
         self.client: Client | None = None
         self.watcher: RegistryWatcher | None = None
         self._view = view
-        self._router = router
+        self._gateway = gateway
         self.sink = SnapshotSink(
-            pool, pods,
+            gateway.table,
             on_undecodable=metrics.undecodable.labels("metrics").inc,
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
@@ -391,22 +432,23 @@ class _NatsLink:
             undecodable = self._metrics.undecodable.labels("registry")
             self.watcher = RegistryWatcher(
                 self.client.jetstream(), self._subjects.registry_bucket, self._view,
-                on_changes=lambda changes: self._router.update(self._view, changes),
+                on_changes=lambda changes: self._gateway.update(self._view, changes),
                 on_undecodable=lambda key, exc: undecodable.inc())
-            await subscribe(self.client, self._subjects, self.sink)
+            await subscribe(self.client, self._subjects, self.sink,
+                            [] if self._gateway.all_pools else list(self._gateway.routers))
             await self.watcher.run(stop)
         finally:
             await finish_within(self.client.close(), 0.5)
 
 
-async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, pods: PodTable,
+async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
                         health: PickerHealth, metrics: PickerMetrics) -> None:
     while not stop.is_set():
-        if not health.ready and nats.synced and pods.has_member_snapshot():
+        if not health.ready and nats.synced and gateway.has_member_snapshot():
             await health.set_ready()
             metrics.ready.set(1)
             log.info("picker ready: registry synced and metric snapshots arriving")
         metrics.nats_connected.set(1 if nats.connected else 0)
-        metrics.show_pods(pods.freshness(), pods.in_flight())
+        metrics.show_pods(gateway.freshness(), gateway.in_flight())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), HOUSEKEEPING_INTERVAL)

@@ -1,14 +1,16 @@
-"""Metric snapshots from NATS into the pod table: ``<prefix>.metrics.<pool>.>``, newest per pod.
+"""Metric snapshots from NATS into the pod tables: ``<prefix>.metrics.<pool>.>`` for each served
+pool (``<prefix>.metrics.>`` when serving every pool), newest per pod.
 
 nats-py re-subscribes by itself after a reconnect, so this subscription needs no resync.
-Undecodable payloads (wrong schema version, garbage, another pool's snapshot) are counted and
-skipped, never raised; so are snapshots whose address is not the registered endpoint's.
+Undecodable payloads (wrong schema version, garbage, a snapshot of a pool not served) are
+counted and skipped, never raised; so are snapshots whose address is not the registered
+endpoint's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -23,15 +25,15 @@ log = logging.getLogger("lig.picker.metrics_feed")
 
 
 class SnapshotSink:
-    """Decodes one snapshot payload into the table; the part of the feed without a network."""
+    """Decodes one snapshot payload into its pool's table; the part of the feed without a
+    network. ``table_of(pool)`` is that table, or None for a pool not served."""
 
-    def __init__(self, pool: str, table: PodTable,
+    def __init__(self, table_of: Callable[[str], PodTable | None],
                  on_undecodable: Callable[[], None] = lambda: None,
                  on_out_of_order: Callable[[], None] = lambda: None,
                  on_wrong_address: Callable[[], None] = lambda: None,
                  on_received: Callable[[], None] = lambda: None) -> None:
-        self.pool = pool
-        self.table = table
+        self.table_of = table_of
         self._on_undecodable = on_undecodable
         self._on_out_of_order = on_out_of_order
         self._on_wrong_address = on_wrong_address
@@ -47,16 +49,17 @@ class SnapshotSink:
         except DecodeError as exc:
             self._skip(subject, str(exc))
             return
-        if snapshot.pool != self.pool:
-            self._skip(subject, f"snapshot of pool {snapshot.pool!r}")
+        table = self.table_of(snapshot.pool)
+        if table is None:
+            self._skip(subject, f"snapshot of pool {snapshot.pool!r}, not served")
             return
-        if not self.table.address_matches(snapshot):
+        if not table.address_matches(snapshot):
             self._on_wrong_address()
             self._wrong_address.warning(
                 "dropping snapshot on %s: pod %r is registered at another address than %r",
                 subject, snapshot.pod, snapshot.address)
             return
-        if not self.table.apply(snapshot):
+        if not table.apply(snapshot):
             self._on_out_of_order()
 
     def _skip(self, subject: str, reason: str) -> None:
@@ -64,11 +67,14 @@ class SnapshotSink:
         self._bad.warning("skipping metrics message on %s: %s", subject, reason)
 
 
-async def subscribe(client: Client, subjects: Subjects, sink: SnapshotSink) -> Subscription:
-    """Feed every snapshot of ``sink.pool`` published on NATS into ``sink``."""
+async def subscribe(client: Client, subjects: Subjects, sink: SnapshotSink,
+                    pools: Sequence[str]) -> list[Subscription]:
+    """Feed every snapshot of ``pools`` (empty: of every pool) published on NATS into
+    ``sink``."""
 
     async def on_message(message: Msg) -> None:
         sink.accept(message.subject, message.data)
 
-    return await client.subscribe(subjects.pool_metrics(sink.pool), cb=on_message,
-                                  pending_msgs_limit=100_000)
+    names = [subjects.pool_metrics(pool) for pool in pools] or [subjects.all_metrics()]
+    return [await client.subscribe(name, cb=on_message, pending_msgs_limit=100_000)
+            for name in names]

@@ -51,7 +51,14 @@ class PickerMetrics:
             "lig_picker_wrong_address_snapshots", "Metric snapshots dropped because their "
             "address is not the registered endpoint's", registry=registry)
         self.pods = Gauge(
-            "lig_picker_pods", "Member pods of the pool by metrics freshness", ["state"],
+            "lig_picker_pods", "Member pods of the served pools by metrics freshness",
+            ["state"], registry=registry, multiprocess_mode="livemax")
+        self.pool_pods = Gauge(
+            "lig_picker_pool_pods", "Member pods of each served pool by metrics freshness",
+            ["pool", "state"], registry=registry, multiprocess_mode="livemax")
+        self.model_conflicts = Gauge(
+            "lig_picker_model_conflicts", "Model names registered in more than one of the "
+            "pools this picker serves (each keeps its previous pool, or none)",
             registry=registry, multiprocess_mode="livemax")
         self.snapshot_age = Gauge(
             "lig_picker_snapshot_age_seconds", "Age of each pod's newest metric snapshot "
@@ -110,14 +117,19 @@ class PickerMetrics:
         children[0].inc(usage.prompt_tokens)
         children[1].inc(usage.completion_tokens)
 
-    def show_pods(self, freshness: Freshness, in_flight: dict[str, int]) -> None:
-        """Refresh the per-pod gauges (members leave no stale label behind)."""
-        self.pods.labels("fresh").set(freshness.fresh)
-        self.pods.labels("stale").set(freshness.stale)
-        for pod, age in freshness.ages.items():
+    def show_pods(self, pools: dict[str, Freshness], in_flight: dict[str, int]) -> None:
+        """Refresh the per-pool and per-pod gauges (members leave no stale label behind)."""
+        ages: dict[str, float] = {}
+        for pool, freshness in pools.items():
+            self.pool_pods.labels(pool, "fresh").set(freshness.fresh)
+            self.pool_pods.labels(pool, "stale").set(freshness.stale)
+            ages.update(freshness.ages)
+        self.pods.labels("fresh").set(sum(f.fresh for f in pools.values()))
+        self.pods.labels("stale").set(sum(f.stale for f in pools.values()))
+        for pod, age in ages.items():
             self.snapshot_age.labels(pod).set(age if math.isfinite(age) else float("nan"))
             self.in_flight.labels(pod).set(in_flight.get(pod, 0))
-        for gone in self._pods_seen - freshness.ages.keys():
+        for gone in self._pods_seen - ages.keys():
             self.snapshot_age.remove(gone)
             self.in_flight.remove(gone)
-        self._pods_seen = set(freshness.ages)
+        self._pods_seen = set(ages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -51,6 +51,7 @@ class Routed(msgspec.Struct, frozen=True):
     registered: bool
     body: bytes | None = None
     fallbacks: tuple[str, ...] = ()
+    pool: str = ""  # the pool whose pod was chosen
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -62,6 +63,11 @@ class Rejected(msgspec.Struct, frozen=True):
     model: str = ""
     target_model: str = ""
     registered: bool = False
+    pool: str = ""  # the pool the model resolved to ("" when none)
+
+
+class Answered(Rejected, frozen=True):
+    """A direct answer that is not an error (``GET /v1/models``): same fields, status 2xx."""
 
 
 class _ErrorDetail(msgspec.Struct):
@@ -202,18 +208,32 @@ class Router:
         model's (an unknown name is ignored). Every client mistake in ``body`` is a 400
         :class:`Rejected` (never an exception).
         """
-        fields = _request_fields(body)
-        if isinstance(fields, Rejected):
-            return fields
-        requested = fields.model
-        if requested is None:
-            return reject(400, 'request body has no "model" field', "missing_model")
+        requested = requested_model(body)
+        if isinstance(requested, Rejected):
+            return requested
+        return self.route_model(body, requested, subset, objective)
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` is registered in this pool."""
+        return model in self._models
+
+    @property
+    def models(self) -> Iterable[str]:
+        """The model names registered in this pool."""
+        return self._models.keys()
+
+    def route_model(self, body: bytes, requested: str, subset: frozenset[str] | None = None,
+                    objective: str | None = None) -> Routed | Rejected:
+        """Route a request for ``requested`` (read from ``body`` by :func:`requested_model`)
+        over this pool's pods; ``subset`` and ``objective`` as :meth:`route` takes them."""
         route = self._models.get(requested)
+        pool = self.pool_name
         if route is None:
             if self._pool is not None and self._pool.reject_unknown_models:
                 quoted = msgspec.json.encode(requested).decode()
-                return reject(404, f"model {quoted} is not served by pool {self._quoted_pool}",
-                              "model_not_found", requested)
+                rejected = reject(404, f"model {quoted} is not served by pool "
+                                  f"{self._quoted_pool}", "model_not_found", requested)
+                return msgspec.structs.replace(rejected, pool=pool)
             target, criticality = requested, Criticality.STANDARD
         else:
             target, criticality = route.draw(self._rng), route.criticality
@@ -224,16 +244,16 @@ class Router:
         choice = self._choose(request, subset)
         if isinstance(choice, Rejected):
             return Rejected(choice.status, choice.outcome, choice.body, requested, target,
-                            registered)
+                            registered, pool)
         pick, fallbacks = choice
         new_body = None
         if target != requested:
             new_body = rewrite_model(body, target)
             if isinstance(new_body, Rejected):
                 return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
-                                target, registered)
+                                target, registered, pool)
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
-                      fallbacks)
+                      fallbacks, pool)
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Rejected:
         """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod (of the
@@ -241,12 +261,12 @@ class Router:
         fresh = _in_subset(self.pods.fresh_views(), subset)
         if fresh:
             pick = fresh[self._rng.randrange(len(fresh))]
-            return Routed(pick.name, pick.address, "", "", False)
+            return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name)
         endpoints = [e for e in self.pods.endpoints if subset is None or e.hostport in subset]
         if not endpoints:
             return self._no_endpoint() if subset is None else self._none_in_subset()
         endpoint = endpoints[self._rng.randrange(len(endpoints))]
-        return Routed(endpoint.name, endpoint.hostport, "", "", False)
+        return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name)
 
     def _choose(self, request: SchedulingRequest, subset: frozenset[str] | None
                 ) -> tuple[PodView, tuple[str, ...]] | Rejected:
@@ -261,7 +281,7 @@ class Router:
         explain = log.isEnabledFor(logging.DEBUG)
         decision = self._policy.schedule(request, pods, explain=explain)
         if explain:
-            _log_decision(request, decision)
+            _log_decision(self.pool_name, request, decision)
         if decision.pick is not None:
             return decision.pick, self._fallbacks(request, pods, decision)
         if decision.shed:
@@ -319,6 +339,16 @@ def _in_subset(pods: list[PodView], subset: frozenset[str] | None) -> list[PodVi
     return [pod for pod in pods if pod.address in subset]
 
 
+def requested_model(body: bytes) -> str | Rejected:
+    """The ``model`` a request body asks for, or the 400 answering a malformed body."""
+    fields = _request_fields(body)
+    if isinstance(fields, Rejected):
+        return fields
+    if fields.model is None:
+        return reject(400, 'request body has no "model" field', "missing_model")
+    return fields.model
+
+
 def _request_fields(body: bytes) -> RequestFields | Rejected:
     """The fields the picker reads from ``body``, or the 400 answering a malformed one."""
     if body.startswith(_BOM):
@@ -357,11 +387,11 @@ def rewrite_model(body: bytes, target: str) -> bytes | Rejected:
     return msgspec.json.encode(members)
 
 
-def _log_decision(request: SchedulingRequest, decision: Decision) -> None:
+def _log_decision(pool: str, request: SchedulingRequest, decision: Decision) -> None:
     steps: Sequence[str] = [
         f"{step.step}: {len(step.entered)}->{len(step.kept)} [{step.branch}]"
         for step in decision.steps
     ]
-    log.debug("decision model=%s target=%s criticality=%s pick=%s shed=%s steps=%s",
-              request.model, request.target_model, request.criticality.value,
+    log.debug("decision pool=%s model=%s target=%s criticality=%s pick=%s shed=%s steps=%s",
+              pool, request.model, request.target_model, request.criticality.value,
               decision.pick.name if decision.pick else None, decision.shed, "; ".join(steps))

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from services.registry.files import load, read_files
 from services.registry.loader import InvalidRegistry, Registry
+from services.registry.name_conflicts import model_name_conflicts
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -26,6 +27,8 @@ def check(paths: Sequence[str], out: TextIO, err: TextIO) -> int:
         print(f"invalid: {len(exc.problems)} problem(s); nothing would be published", file=err)
         return EXIT_INVALID
     print(summarize(registry, len(snapshot.files)), file=out)
+    for conflict in model_name_conflicts(registry):
+        print(f"warning: {conflict}", file=out)
     if not registry.pools:
         print("note: no pools; a running registry refuses to publish this over published pools "
               "unless --allow-empty (docs/registry.md)", file=out)

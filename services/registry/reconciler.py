@@ -27,6 +27,7 @@ import nats.errors
 from services.registry.files import FileSnapshot, load, read_files
 from services.registry.loader import InvalidRegistry, Registry
 from services.registry.metrics import RegistryMetrics
+from services.registry.name_conflicts import model_name_conflicts
 from services.registry.overrides import EndpointsOverride, apply_override
 from services.registry.publisher import Plan, Publisher, RemovalRefused
 from shared.logs import RateLimitedLog
@@ -143,6 +144,8 @@ class Reconciler:
                      len(snapshot.files))
             if not desired.pools:
                 log.warning("the inputs define no pools")
+            for conflict in model_name_conflicts(desired):
+                log.warning("%s", conflict)
             self.desired = desired
             self.request_resync()
 

@@ -1,0 +1,293 @@
+"""One picker, several pools: resolve the requested model to its pool, then run that pool's router.
+
+Each served pool keeps its own :class:`~services.picker.routing.Router` (policy, thresholds) and
+:class:`~services.picker.state.PodTable` (snapshots, load estimate, gray pods). The
+:class:`Gateway` adds what spans pools:
+
+- **The model index**: model name -> pool, over the served pools. A name registered in two
+  served pools is a conflict: it is logged, counted, and the name keeps the pool it had before
+  (the last good state); a name new to the index in a conflict gets no pool until it is resolved.
+- **Unknown models** (:class:`UnknownModels`): rejected with 404, or passed to a default pool,
+  which then applies its own ``rejectUnknownModels`` field (the per-pool behaviour of a
+  one-pool picker). Without a setting, a picker that serves exactly one pool treats that pool as
+  the default, as before; with several it answers 404.
+- **Requests without a body**: ``GET /v1/models`` (and ``GET /v1/models/<id>``) are answered
+  from the registry in the OpenAI list shape; others go to a pod of the default pool (or of the
+  first pool, by name, that has a pod).
+
+A picker given no pool serves every pool of the registry (pools appear as the registry publishes
+them, and are dropped once the registry has nothing left of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+
+from services.picker.routing import (
+    Answered,
+    Rejected,
+    Routed,
+    Router,
+    reject,
+    requested_model,
+)
+from services.picker.state import Freshness, PodTable
+from shared.registry_view import RegistryChanges, RegistryView
+
+log = logging.getLogger("lig.picker.pools")
+
+MODELS_PATH = "/v1/models"
+
+
+class UnknownModels(msgspec.Struct, frozen=True):
+    """What happens to a request for a model no served pool registers.
+
+    ``reject``: 404 always. Else ``default_pool`` (or the only served pool when None) takes it,
+    applying its own ``reject_unknown_models``; with neither, 404.
+    """
+
+    reject: bool = False
+    default_pool: str | None = None
+
+
+class ModelConflict(msgspec.Struct, frozen=True):
+    """A model name registered in several served pools, and the pool it stays with (if any)."""
+
+    model: str
+    pools: tuple[str, ...]
+    kept: str | None
+
+
+class _ModelEntry(msgspec.Struct):
+    id: str
+    owned_by: str
+    object: str = "model"
+    created: int = 0
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelEntry]
+    object: str = "list"
+
+
+class Gateway:
+    """Routes requests for the models of several pools, each pool with its own router.
+
+    ``pools`` are the pools served (empty: every pool of the registry); ``make_router(pool)``
+    builds a pool's router and pod table; ``on_conflicts(count)`` gets the number of model names
+    in conflict after every registry update that changed it.
+    """
+
+    def __init__(self, pools: Sequence[str], make_router: Callable[[str], Router],
+                 unknown: UnknownModels | None = None, rng: random.Random | None = None,
+                 on_conflicts: Callable[[int], None] = lambda count: None) -> None:
+        self.all_pools = not pools
+        self._make_router = make_router
+        self.unknown = unknown if unknown is not None else UnknownModels()
+        self._rng = rng if rng is not None else random.Random()
+        self._on_conflicts = on_conflicts
+        self.routers: dict[str, Router] = {}
+        for pool in pools:
+            self._add(pool)
+        if self.unknown.default_pool is not None and not self.unknown.reject:
+            if not self.all_pools and self.unknown.default_pool not in self.routers:
+                raise ValueError(f"the default pool {self.unknown.default_pool!r} is not one "
+                                 f"of the pools served ({', '.join(pools)})")
+            self._add(self.unknown.default_pool)
+        self.owner: dict[str, str] = {}  # model name -> pool
+        self.conflicts: dict[str, ModelConflict] = {}
+        self._model_list: bytes | None = None
+
+    @classmethod
+    def serving(cls, router: Router, unknown: UnknownModels | None = None) -> Gateway:
+        """A gateway over one existing router (tests and tools built around one pool)."""
+        return cls([router.pool_name], lambda pool: router, unknown)
+
+    def _add(self, pool: str) -> Router:
+        router = self.routers.get(pool)
+        if router is None:
+            router = self.routers[pool] = self._make_router(pool)
+        return router
+
+    # --- registry --------------------------------------------------------------------------
+
+    def update(self, view: RegistryView, changes: RegistryChanges | None = None) -> None:
+        """Apply a registry change to every served pool, then to the model index."""
+        if changes is None:
+            changes = RegistryChanges(everything=True)
+        added = []
+        if self.all_pools:
+            for pool in view.pools.keys() - self.routers.keys():
+                self._add(pool)
+                added.append(pool)
+            self._drop_removed(view)
+        for pool, router in self.routers.items():
+            router.update(view, None if pool in added else changes)
+        if changes.everything or added:
+            names: Iterable[str] = {name for pool in self.routers
+                                    for name in view.models.get(pool, {})} | self.owner.keys()
+        else:
+            names = {name for pool, changed in changes.models.items() if pool in self.routers
+                     for name in changed}
+        before = len(self.conflicts)
+        changed = False
+        for name in names:
+            changed |= self._index(name)
+        if changed:
+            self._model_list = None
+        if before or self.conflicts:
+            self._on_conflicts(len(self.conflicts))
+
+    def _drop_removed(self, view: RegistryView) -> None:
+        """Serving every pool: forget pools the registry no longer has at all (no pool, no
+        models, no endpoints), so that they stop counting as served (e.g. as the only pool)."""
+        for pool in list(self.routers):
+            if (pool not in view.pools and not view.models.get(pool) and pool not in view.endpoints
+                    and pool != self.unknown.default_pool):
+                del self.routers[pool]
+                log.info("pool %s is gone from the registry; no longer served", pool)
+
+    def _index(self, name: str) -> bool:
+        """Re-resolve one model name's pool; True when the index changed."""
+        pools = tuple(sorted(pool for pool, router in self.routers.items()
+                             if router.serves(name)))
+        old = self.owner.get(name)
+        if len(pools) <= 1:
+            if self.conflicts.pop(name, None) is not None:
+                log.info("model %r: the conflict is resolved; it is served by %s", name,
+                         pools[0] if pools else "no pool")
+            if pools:
+                self.owner[name] = pools[0]
+            else:
+                self.owner.pop(name, None)
+            return old != (pools[0] if pools else None)
+        kept = old if old in pools else None
+        conflict = ModelConflict(name, pools, kept)
+        if self.conflicts.get(name) != conflict:
+            log.error("model name conflict: %r is registered in pools %s; model names must be "
+                      "unique across the pools a picker serves. %s", name, ", ".join(pools),
+                      f"It stays with pool {kept} (the last good state)" if kept else
+                      "It is not routed until the conflict is resolved")
+        self.conflicts[name] = conflict
+        if kept is None:
+            self.owner.pop(name, None)
+        return old != kept
+
+    # --- requests --------------------------------------------------------------------------
+
+    def route(self, body: bytes, subset: frozenset[str] | None = None,
+              objective: str | None = None) -> Routed | Rejected:
+        """Decide where a request with this JSON ``body`` goes (``subset`` and ``objective``:
+        see :meth:`Router.route`)."""
+        requested = requested_model(body)
+        if isinstance(requested, Rejected):
+            return requested
+        pool = self.owner.get(requested)
+        if pool is not None:
+            return self.routers[pool].route_model(body, requested, subset, objective)
+        router = self._default_router()
+        if router is not None:
+            return router.route_model(body, requested, subset, objective)
+        quoted = msgspec.json.encode(requested).decode()
+        reason = (" (registered in several pools: " + ", ".join(self.conflicts[requested].pools)
+                  + ")" if requested in self.conflicts else "")
+        return reject(404, f"model {quoted} is not served by this gateway{reason}",
+                      "model_not_found", requested)
+
+    def _default_router(self) -> Router | None:
+        if self.unknown.reject:
+            return None
+        if self.unknown.default_pool is not None:
+            return self.routers[self.unknown.default_pool]
+        if len(self.routers) == 1:
+            return next(iter(self.routers.values()))
+        return None
+
+    def route_bodiless(self, method: str = "GET", path: str = "/",
+                       subset: frozenset[str] | None = None) -> Routed | Rejected:
+        """A request without a body: the model list, one model, or any pod (see module doc) of
+        the ``subset`` hint when given."""
+        route_path = urllib.parse.unquote(path.partition("?")[0])
+        if method == "GET" and route_path in (MODELS_PATH, MODELS_PATH + "/"):
+            return Answered(200, "models", self.model_list())
+        if method == "GET" and route_path.startswith(MODELS_PATH + "/"):
+            return self._one_model(route_path[len(MODELS_PATH) + 1:])
+        router = self._default_router()
+        if router is not None:
+            return router.route_bodiless(subset)
+        answer: Routed | Rejected = reject(503, "no pool has a ready endpoint",
+                                           "no_ready_endpoint")
+        for pool in sorted(self.routers):
+            answer = self.routers[pool].route_bodiless(subset)
+            if isinstance(answer, Routed):
+                return answer
+        return answer
+
+    def model_list(self) -> bytes:
+        """``{"object": "list", "data": [...]}``: every routed model name, ``owned_by`` its pool."""
+        if self._model_list is None:
+            entries = [_ModelEntry(name, pool) for name, pool in sorted(self.owner.items())]
+            self._model_list = msgspec.json.encode(_ModelList(entries))
+        return self._model_list
+
+    def _one_model(self, name: str) -> Answered | Rejected:
+        pool = self.owner.get(name)
+        if pool is None:
+            quoted = msgspec.json.encode(name).decode()
+            return reject(404, f"model {quoted} is not served by this gateway",
+                          "model_not_found", name)
+        return Answered(200, "models", msgspec.json.encode(_ModelEntry(name, pool)), name, name,
+                        True, pool)
+
+    # --- pod bookkeeping (per pool) ----------------------------------------------------------
+
+    def table(self, pool: str) -> PodTable | None:
+        """The pod table of ``pool``, None when it is not served."""
+        router = self.routers.get(pool)
+        return router.pods if router is not None else None
+
+    def started(self, routed: Routed) -> None:
+        """A request was sent to ``routed``'s pod."""
+        router = self.routers.get(routed.pool)
+        if router is not None:
+            router.pods.started(routed.pod)
+
+    def finished(self, routed: Routed) -> None:
+        """The request sent to ``routed``'s pod has ended."""
+        router = self.routers.get(routed.pool)
+        if router is not None:
+            router.pods.finished(routed.pod)
+
+    def responded(self, routed: Routed, status: int) -> None:
+        """The response to a request sent to ``routed``'s pod started with ``status``."""
+        router = self.routers.get(routed.pool)
+        if router is not None:
+            router.pods.responded(routed.pod, status)
+
+    def wants_outcome(self) -> bool:
+        """Whether the request being routed (its pool still unknown) should report its status:
+        asked of every pool, so that each pool's sampling and probation see every request."""
+        wanted = False
+        for router in self.routers.values():
+            wanted |= router.pods.wants_outcome()
+        return wanted
+
+    def has_member_snapshot(self) -> bool:
+        """True once any member pod of any served pool has a snapshot (part of readiness)."""
+        return any(router.pods.has_member_snapshot() for router in self.routers.values())
+
+    def freshness(self) -> dict[str, Freshness]:
+        """Each pool's freshness (see :meth:`PodTable.freshness`)."""
+        return {pool: router.pods.freshness() for pool, router in self.routers.items()}
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per pod, over every pool."""
+        counts: dict[str, int] = {}
+        for router in self.routers.values():
+            counts.update(router.pods.in_flight())
+        return counts
