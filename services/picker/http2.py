@@ -73,7 +73,7 @@ from typing import Protocol
 
 import hpack
 
-from services.picker.http2_limits import Http2Limits, TokenBucket
+from services.picker.http2_limits import BufferBudget, Http2Limits, TokenBucket
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.picker.http2")
@@ -205,10 +205,14 @@ class Http2Connection(asyncio.Protocol):
                  limits: Http2Limits | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
                  on_error: Callable[[str], None] = lambda kind: None,
-                 warnings: RateLimitedLog | None = None) -> None:
+                 warnings: RateLimitedLog | None = None,
+                 budget: BufferBudget | None = None,
+                 reclaim: Callable[[], bool] = lambda: False) -> None:
         """``loop`` runs the preface and idle timers (none without it); ``on_error`` is called
         with the kind of each connection error (an RFC 9113 error name, or PREFACE_TIMEOUT);
-        ``warnings`` throttles the log lines about them."""
+        ``warnings`` throttles the log lines about them. ``budget`` is shared by the server's
+        connections (none: this connection is bounded by its own caps only); ``reclaim`` ends
+        the largest unfinished message on any of them, False when there is none."""
         self._handlers = handlers
         self._max_message = max_message
         self._on_lost = on_lost
@@ -242,6 +246,11 @@ class Http2Connection(asyncio.Protocol):
         self._buffered = 0  # bytes of partial messages in the streams' inboxes
         self._parked_cap = limits.parked_cap(max_message)
         self._parked = 0  # bytes of answers in the streams' `pending`, waiting for window
+        # Server-wide: what this connection may hold (receive window + partial messages +
+        # parked answers) is reserved from the budget first; `_settle` returns the excess.
+        self._budget = budget if budget is not None else BufferBudget(1 << 62)
+        self._reclaim = reclaim
+        self._reserved = 0
         self._control = TokenBucket(limits.control_burst, limits.control_rate)
         self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
         self._paused = False  # the transport's write buffer is above its high-water mark
@@ -263,10 +272,19 @@ class Http2Connection(asyncio.Protocol):
             (INITIAL_WINDOW_SIZE, limits.stream_window), (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE),
             (MAX_HEADER_LIST_SIZE, limits.max_header_list)))
         self._out.append(frame(SETTINGS, 0, 0, settings))
-        if self._buffer_cap > DEFAULT_WINDOW:
-            self._out.append(frame(WINDOW_UPDATE, 0, 0,
-                                   (self._buffer_cap - DEFAULT_WINDOW).to_bytes(4, "big")))
-            self._recv_window = self._buffer_cap
+        # The client may send the protocol's default window before any WINDOW_UPDATE: that
+        # much is reserved (ending others' largest messages if need be) or the connection goes.
+        if self._reserve(DEFAULT_WINDOW, reclaim=True) < DEFAULT_WINDOW:
+            self._report(ERROR_NAMES[ENHANCE_YOUR_CALM], "server buffer budget spent")
+            self._out.append(frame(GOAWAY, 0, 0, (0).to_bytes(4, "big")
+                                   + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
+            self._close()
+            return
+        grant = self._budget.grant(self._buffer_cap - DEFAULT_WINDOW)  # less when it is spent
+        if grant > 0:
+            self._reserved += grant
+            self._out.append(frame(WINDOW_UPDATE, 0, 0, grant.to_bytes(4, "big")))
+            self._recv_window += grant
         self._write()
         if self._loop is not None:
             self._idle_since = self._loop.time()
@@ -284,6 +302,8 @@ class Http2Connection(asyncio.Protocol):
             self._timer = None
         for stream in list(self._streams.values()):
             self._drop(stream)
+        self._budget.give_back(self._reserved)
+        self._reserved = 0
         self._on_lost(self)
 
     def pause_writing(self) -> None:
@@ -318,6 +338,53 @@ class Http2Connection(asyncio.Protocol):
     def parked_bytes(self) -> int:
         """Bytes of answers held for this connection's streams, waiting for window."""
         return self._parked
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes this connection holds of the server's budget (never less than it holds)."""
+        return self._reserved
+
+    def largest_partial(self) -> int:
+        """Bytes of this connection's largest unfinished request message (0: none)."""
+        if not self._buffered:
+            return 0
+        return max(len(stream.inbox) for stream in self._streams.values())
+
+    def end_largest_partial(self) -> None:
+        """End the call holding the largest unfinished message with RESOURCE_EXHAUSTED (the
+        server's budget is spent), and return the bytes it held to the budget."""
+        largest = max(self._streams.values(), key=lambda stream: len(stream.inbox))
+        try:
+            self._finish(largest, GRPC_RESOURCE_EXHAUSTED, "server buffer full")
+        except ProtocolFault as exc:
+            if self._processing:  # this connection's own frame loop handles it
+                raise
+            self._fail(exc)
+            return
+        self._settle()
+        if not self._processing:
+            self._write()
+
+    def _reserve(self, target: int, reclaim: bool) -> int:
+        """Reserve from the budget until this connection holds ``target`` bytes of it (fewer
+        when the budget is spent; with ``reclaim``, after ending the largest unfinished
+        messages while that helps); returns the reservation."""
+        while self._reserved < target:
+            self._reserved += self._budget.grant(target - self._reserved)
+            if self._reserved >= target or not reclaim or not self._reclaim():
+                break
+        return self._reserved
+
+    def _held(self) -> int:
+        return max(self._recv_window, 0) + self._buffered + self._parked
+
+    def _settle(self) -> None:
+        """Return reserved bytes this connection no longer holds, keeping the default window
+        (a client sending small messages always progresses)."""
+        excess = self._reserved - max(self._held(), DEFAULT_WINDOW)
+        if excess > 0:
+            self._reserved -= excess
+            self._budget.give_back(excess)
 
     def drain(self) -> None:
         """Start a graceful close: GOAWAY now, a final GOAWAY once the client has seen it."""
@@ -378,14 +445,19 @@ class Http2Connection(asyncio.Protocol):
         try:
             self._process()
         except ProtocolFault as exc:
-            self._report(ERROR_NAMES.get(exc.code, str(exc.code)), str(exc))
-            self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
-                                   + exc.code.to_bytes(4, "big")))
-            self._close()
+            self._fail(exc)
             return
         finally:
             self._processing = False
+        self._settle()
         self._write()
+
+    def _fail(self, exc: ProtocolFault) -> None:
+        """A connection error: report it, GOAWAY and close."""
+        self._report(ERROR_NAMES.get(exc.code, str(exc.code)), str(exc))
+        self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
+                               + exc.code.to_bytes(4, "big")))
+        self._close()
 
     def _report(self, kind: str, reason: str) -> None:
         self._on_error(kind)
@@ -501,8 +573,10 @@ class Http2Connection(asyncio.Protocol):
             stream.recv_window += grant
 
     def _refill_connection(self) -> None:
-        """Grant the connection window what the buffer cap leaves free; when partial messages
-        fill the cap so that none can complete, end the stream that holds the most."""
+        """Grant the connection window what the buffer cap and the server's budget leave free;
+        when partial messages fill the cap so that none can complete, end the stream that holds
+        the most, and when the budget is spent so that the client can send nothing more, end
+        the largest unfinished message of any connection."""
         free = self._buffer_cap - self._buffered - self._recv_window
         if free <= 0 and self._recv_window <= 0 and self._buffered:
             largest = max((stream for stream in self._streams.values() if stream.inbox),
@@ -510,6 +584,17 @@ class Http2Connection(asyncio.Protocol):
             self._finish(largest, GRPC_RESOURCE_EXHAUSTED, "connection buffer full")
             free = self._buffer_cap - self._buffered - self._recv_window
         if free >= self._buffer_cap // 4 or (free > 0 and self._recv_window <= 0):
+            held = self._held()
+            if self._reserved - held < free:
+                self._reserve(held + free, reclaim=False)
+                # Stuck (no window left) and nothing to grant: make room, one message at a time.
+                while (self._recv_window <= 0 and self._reserved <= self._held()
+                       and self._reclaim()):
+                    self._reserve(self._held() + free, reclaim=False)
+                free = min(self._buffer_cap - self._buffered - self._recv_window,
+                           self._reserved - self._held())
+                if free <= 0:
+                    return
             self._out.append(frame(WINDOW_UPDATE, 0, 0, free.to_bytes(4, "big")))
             self._recv_window += free
 
@@ -739,6 +824,9 @@ class Http2Connection(asyncio.Protocol):
             self._flush(stream)
             if self._parked > self._parked_cap:  # the client asks but does not take answers
                 raise ProtocolFault(ENHANCE_YOUR_CALM, "too many answers waiting for window")
+            held = self._held()
+            if held > self._reserved and self._reserve(held, reclaim=True) < self._held():
+                raise ProtocolFault(ENHANCE_YOUR_CALM, "server buffer budget spent")
             return
         self._send_window -= size
         stream.credit -= size
@@ -882,6 +970,25 @@ def _unpad(payload: bytes) -> bytes:
     return payload[1: len(payload) - pad]
 
 
+class _Refused(asyncio.Protocol):
+    """A connection past the server's limit: told to calm down and closed at once."""
+
+    def __init__(self, on_error: Callable[[str], None], warnings: RateLimitedLog) -> None:
+        self._on_error = on_error
+        self._warnings = warnings
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        kind = ERROR_NAMES[ENHANCE_YOUR_CALM]
+        self._on_error(kind)
+        self._warnings.warning("HTTP/2 connection error %s, closing: %s", kind,
+                               "too many connections")
+        assert isinstance(transport, asyncio.WriteTransport)
+        # The server preface is a SETTINGS frame; the GOAWAY then says why.
+        transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, (0).to_bytes(4, "big")
+                                                      + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
+        transport.close()
+
+
 class Http2Server:
     """Listens for HTTP/2 gRPC clients and serves ``handlers`` on their streams."""
 
@@ -894,8 +1001,11 @@ class Http2Server:
         self._limits = limits if limits is not None else Http2Limits()
         if self._limits.buffered_cap(max_message) < max_message + 5:
             raise ValueError("max_buffered must hold one message of max_message bytes")
+        if self._limits.max_total_buffered < self._limits.buffered_cap(max_message):
+            raise ValueError("max_total_buffered must hold one connection's buffer cap")
         self._on_error = on_error
         self._warnings = RateLimitedLog(log)  # shared: a flood of bad connections logs little
+        self.budget = BufferBudget(self._limits.max_total_buffered)
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.Server | None = None
         self._idle = asyncio.Event()  # set whenever no connection is open
@@ -914,13 +1024,36 @@ class Http2Server:
         """True while the listening socket accepts connections (started and not closed)."""
         return self._server is not None and self._server.is_serving()
 
-    def _connection(self) -> Http2Connection:
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._connections)
+
+    def _connection(self) -> asyncio.Protocol:
+        if len(self._connections) >= self._limits.max_connections:
+            return _Refused(self._on_error, self._warnings)
         connection = Http2Connection(self._handlers, self._max_message, on_lost=self._lost,
                                      limits=self._limits, loop=asyncio.get_running_loop(),
-                                     on_error=self._on_error, warnings=self._warnings)
+                                     on_error=self._on_error, warnings=self._warnings,
+                                     budget=self.budget, reclaim=self._reclaim)
         self._connections.add(connection)
         self._idle.clear()
         return connection
+
+    def _reclaim(self) -> bool:
+        """The budget is spent: end the largest unfinished message across all connections (a
+        large one being trickled in, not the small ones of a well-behaved client). Scans the
+        connections, but runs only when a client could otherwise send nothing more."""
+        largest, size = None, 0
+        for connection in self._connections:
+            if connection.buffered_bytes > size:  # only then can it hold a larger message
+                partial = connection.largest_partial()
+                if partial > size:
+                    largest, size = connection, partial
+        if largest is None:
+            return False
+        largest.end_largest_partial()
+        return True
 
     def _lost(self, connection: Http2Connection) -> None:
         self._connections.discard(connection)

@@ -1,0 +1,225 @@
+"""The built-in HTTP/2 server's server-wide limits: a budget of bytes shared by all its
+connections, and a cap on connections. A real server on loopback, driven by raw clients that
+follow the server's flow-control windows (so every byte they send is one the server allowed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import hpack
+
+from services.picker.http2 import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    GOAWAY,
+    HEADERS,
+    INITIAL_WINDOW_SIZE,
+    PREFACE,
+    SETTINGS,
+    WINDOW_UPDATE,
+    Http2Server,
+    frame,
+)
+from services.picker.http2_limits import MIB, Http2Limits
+from tests.support.http2_peer import PATH, Echo, grpc_message, parse
+
+MAX_MESSAGE = 4 * MIB
+DEFAULT_WINDOW = 65_535
+
+
+class RawClient:
+    """One HTTP/2 client connection on loopback that sends only what its windows allow."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.window = DEFAULT_WINDOW  # connection send window
+        self.stream_windows: dict[int, int] = {}
+        self.frames: list[tuple[int, int, int, bytes]] = []
+        self._unparsed = bytearray()
+        self.eof = False
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        # Like Envoy: large receive windows, so that answers never wait for them.
+        client.writer.write(PREFACE + frame(SETTINGS, 0, 0, INITIAL_WINDOW_SIZE.to_bytes(2, "big")
+                                            + (16 * MIB).to_bytes(4, "big"))
+                            + frame(WINDOW_UPDATE, 0, 0, (16 * MIB).to_bytes(4, "big")))
+        await client.writer.drain()
+        await client.pump(0.05)
+        return client
+
+    async def pump(self, quiet: float) -> None:
+        """Read what the server sent until it has been quiet for ``quiet`` seconds."""
+        while not self.eof:
+            try:
+                data = await asyncio.wait_for(self.reader.read(1 << 20), quiet)
+            except TimeoutError:
+                return
+            if not data:
+                self.eof = True
+                return
+            self._unparsed += data
+            usable = 0
+            while len(self._unparsed) - usable >= 9:
+                length = int.from_bytes(self._unparsed[usable: usable + 3], "big")
+                if len(self._unparsed) - usable < 9 + length:
+                    break
+                usable += 9 + length
+            for kind, flags, stream_id, payload in parse(bytes(self._unparsed[:usable])):
+                self.frames.append((kind, flags, stream_id, payload))
+                if kind == WINDOW_UPDATE:
+                    increment = int.from_bytes(payload, "big")
+                    if stream_id == 0:
+                        self.window += increment
+                    elif stream_id in self.stream_windows:
+                        self.stream_windows[stream_id] += increment
+            del self._unparsed[:usable]
+
+    def open(self, stream_id: int) -> None:
+        block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                                     (":authority", "picker"), ("te", "trailers"),
+                                     ("content-type", "application/grpc")])
+        self.writer.write(frame(HEADERS, END_HEADERS, stream_id, block))
+        self.stream_windows[stream_id] = 1 * MIB  # the server's advertised initial window
+
+    def send(self, stream_id: int, data: bytes, end: bool = False) -> int:
+        """Send as much of ``data`` as the windows allow; returns how much went."""
+        allowed = min(len(data), self.window, self.stream_windows[stream_id])
+        sent = 0
+        while sent < allowed:
+            chunk = min(allowed - sent, 1 * MIB)
+            last = end and sent + chunk == len(data)
+            self.writer.write(frame(DATA, END_STREAM if last else 0, stream_id,
+                                    data[sent: sent + chunk]))
+            sent += chunk
+        self.window -= sent
+        self.stream_windows[stream_id] -= sent
+        return sent
+
+    def status(self, stream_id: int) -> str | None:
+        """The grpc-status of a call that ended (None: not ended)."""
+        for kind, flags, sid, payload in self.frames:
+            if kind == HEADERS and sid == stream_id and flags & END_STREAM:
+                fields = dict(self.decoder.decode(payload))
+                return fields.get("grpc-status")
+        return None
+
+    def answers(self, stream_id: int) -> bytes:
+        return b"".join(payload for kind, _, sid, payload in self.frames
+                        if kind == DATA and sid == stream_id)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def held(server: Http2Server) -> int:
+    """Bytes of partial messages and parked answers across the server's connections."""
+    return sum(connection.buffered_bytes + connection.parked_bytes
+               for connection in server._connections)
+
+
+async def test_large_partial_messages_on_many_connections_stay_within_the_budget() -> None:
+    limit = 12 * MIB  # each connection may hold 5 MiB: 6 attackers could make it 24 MiB
+    server = Http2Server({PATH: lambda: Echo([])}, MAX_MESSAGE,
+                         limits=Http2Limits(max_total_buffered=limit))
+    port = await server.start("127.0.0.1", 0)
+    attackers: list[RawClient] = []
+    try:
+        # Each attacker announces a message of the largest size and sends all of it but the
+        # last byte, as fast as the server's windows allow; never the end.
+        announced = grpc_message(b"a" * (MAX_MESSAGE - 1))
+        for _ in range(6):
+            attacker = await RawClient.connect(port)
+            attacker.open(1)
+            attackers.append(attacker)
+        offsets = [0] * len(attackers)
+        deadline = time.monotonic() + 30.0
+        peak = 0
+        for _ in range(40):  # rounds, bounded in count and time
+            progress = 0
+            for index, attacker in enumerate(attackers):
+                await attacker.pump(0.02)
+                if attacker.eof or attacker.status(1) is not None:
+                    continue
+                sent = attacker.send(1, announced[offsets[index]: len(announced) - 1])
+                offsets[index] += sent
+                progress += sent
+                await attacker.writer.drain()
+            await asyncio.sleep(0.05)
+            peak = max(peak, held(server))
+            if not progress or time.monotonic() > deadline:
+                break
+        assert sum(offsets) > limit  # the attackers did try to exceed the budget
+        assert peak <= limit, f"{peak} bytes held, over the {limit} budget"
+        assert held(server) <= server.budget.used <= limit  # the server's own accounting
+        # A well-behaved client on another connection: small calls, and one larger than the
+        # default window, which can complete only once the largest attacker message is ended.
+        honest = await RawClient.connect(port)
+        for stream_id in (1, 3, 5):
+            honest.open(stream_id)
+            honest.send(stream_id, grpc_message(b"small%d" % stream_id), end=True)
+        medium = grpc_message(b"m" * (512 * 1024))
+        honest.open(7)
+        offset = 0
+        for _ in range(100):
+            offset += honest.send(7, medium[offset:], end=True)
+            await honest.writer.drain()
+            await honest.pump(0.05)
+            if honest.status(7) is not None:
+                break
+        for stream_id in (1, 3, 5):
+            assert honest.status(stream_id) == "0"
+            assert honest.answers(stream_id) == grpc_message(b"echo:small%d" % stream_id)
+        assert honest.status(7) == "0" and len(honest.answers(7)) == len(medium) + 5
+        for attacker in attackers:
+            await attacker.pump(0.02)
+        # Attackers' calls (not the honest ones) were ended with RESOURCE_EXHAUSTED.
+        assert "8" in [attacker.status(1) for attacker in attackers]
+        assert held(server) <= server.budget.used <= limit
+        honest.close()
+    finally:
+        for attacker in attackers:
+            attacker.close()
+        await server.stop(0.5)
+    assert server.budget.used == 0  # every connection returned what it reserved
+
+
+async def test_connections_past_the_cap_are_closed_and_counted() -> None:
+    errors: list[str] = []
+    server = Http2Server({PATH: lambda: Echo([])}, 1000,
+                         limits=Http2Limits(max_connections=3), on_error=errors.append)
+    port = await server.start("127.0.0.1", 0)
+    clients: list[RawClient] = []
+    try:
+        for _ in range(3):
+            clients.append(await RawClient.connect(port))
+        assert not errors
+        refused = await RawClient.connect(port)
+        await refused.pump(2.0)
+        assert refused.eof
+        goaways = [payload for kind, _, _, payload in refused.frames if kind == GOAWAY]
+        assert [int.from_bytes(payload[4:8], "big") for payload in goaways] == [ENHANCE_YOUR_CALM]
+        assert errors == ["ENHANCE_YOUR_CALM"] and server.connections == 3
+        refused.close()
+        # A closed connection makes room: a new one is served.
+        clients.pop().close()
+        for _ in range(100):
+            if server.connections < 3:
+                break
+            await asyncio.sleep(0.02)
+        client = await RawClient.connect(port)
+        clients.append(client)
+        client.open(1)
+        client.send(1, grpc_message(b"hi"), end=True)
+        await client.pump(0.2)
+        assert client.status(1) == "0" and errors == ["ENHANCE_YOUR_CALM"]
+    finally:
+        for client in clients:
+            client.close()
+        await server.stop(0.5)
