@@ -18,7 +18,7 @@ from services.picker.http2 import (
     Http2Connection,
     frame,
 )
-from services.picker.http2_limits import Http2Limits
+from services.picker.http2_limits import BufferBudget, Http2Limits
 
 PATH = b"/test.Echo/Chat"
 
@@ -104,19 +104,28 @@ class Peer:
 
     def __init__(self, end_after: int | None = None, max_message: int = 1000,
                  limits: Http2Limits | None = None,
-                 handler: Callable[[list[str]], Echo] | None = None) -> None:
+                 handler: Callable[[list[str]], Echo] | None = None,
+                 budget: BufferBudget | None = None) -> None:
+        """``budget``: a server-wide budget this connection alone draws on (it reclaims from
+        its own partial messages)."""
         self.log: list[str] = []
         self.lost = False
         make = handler or (lambda log: Echo(log, end_after))
         self.connection = Http2Connection({PATH: lambda: make(self.log)}, max_message,
                                           on_lost=lambda _: setattr(self, "lost", True),
-                                          limits=limits)
+                                          limits=limits, budget=budget, reclaim=self._reclaim)
         self.transport = FakeTransport()
         self.transport.protocol = self.connection
         self.connection.connection_made(self.transport)  # type: ignore[arg-type]
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.server_greeting = self.read()
+
+    def _reclaim(self) -> bool:
+        if not self.connection.largest_partial():
+            return False
+        self.connection.end_largest_partial()
+        return True
 
     def send(self, *frames: bytes) -> None:
         self.connection.data_received(b"".join(frames))
