@@ -1,6 +1,7 @@
 """An HTTP/2 client driven by hand against :class:`Http2Connection` in-process: a fake
-transport (no network), a handler that echoes, and frame parsing. Used by the HTTP/2 server's
-unit tests, its fuzz suite and its attack benchmark."""
+transport (no network), a handler that echoes, and frame parsing; and :class:`RawClient`, one
+that follows the server's windows over loopback. Used by the HTTP/2 server's unit tests, its
+fuzz suite and its attack benchmark."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import hpack
 
 from services.picker.http2 import (
     ACK,
+    DATA,
+    DEFAULT_WINDOW,
     END_HEADERS,
+    END_STREAM,
     HEADERS,
+    INITIAL_WINDOW_SIZE,
     PREFACE,
     SETTINGS,
+    WINDOW_UPDATE,
     Http2Connection,
     frame,
 )
-from services.picker.http2_limits import BufferBudget, Http2Limits
+from services.picker.http2_limits import MIB, BufferBudget, Http2Limits
 
 PATH = b"/test.Echo/Chat"
 
@@ -149,3 +155,91 @@ class Peer:
 
     def header_fields(self, block: bytes) -> dict[str, str]:
         return {name: value for name, value in self.decoder.decode(block)}
+
+
+class RawClient:
+    """One HTTP/2 client connection on loopback that sends only what its windows allow."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.window = DEFAULT_WINDOW  # connection send window
+        self.stream_windows: dict[int, int] = {}
+        self.frames: list[tuple[int, int, int, bytes]] = []
+        self._unparsed = bytearray()
+        self.eof = False
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        # Like Envoy: large receive windows, so that answers never wait for them.
+        client.writer.write(PREFACE + frame(SETTINGS, 0, 0, INITIAL_WINDOW_SIZE.to_bytes(2, "big")
+                                            + (16 * MIB).to_bytes(4, "big"))
+                            + frame(WINDOW_UPDATE, 0, 0, (16 * MIB).to_bytes(4, "big")))
+        await client.writer.drain()
+        await client.pump(0.05)
+        return client
+
+    async def pump(self, quiet: float) -> None:
+        """Read what the server sent until it has been quiet for ``quiet`` seconds."""
+        while not self.eof:
+            try:
+                data = await asyncio.wait_for(self.reader.read(1 << 20), quiet)
+            except TimeoutError:
+                return
+            if not data:
+                self.eof = True
+                return
+            self._unparsed += data
+            usable = 0
+            while len(self._unparsed) - usable >= 9:
+                length = int.from_bytes(self._unparsed[usable: usable + 3], "big")
+                if len(self._unparsed) - usable < 9 + length:
+                    break
+                usable += 9 + length
+            for kind, flags, stream_id, payload in parse(bytes(self._unparsed[:usable])):
+                self.frames.append((kind, flags, stream_id, payload))
+                if kind == WINDOW_UPDATE:
+                    increment = int.from_bytes(payload, "big")
+                    if stream_id == 0:
+                        self.window += increment
+                    elif stream_id in self.stream_windows:
+                        self.stream_windows[stream_id] += increment
+            del self._unparsed[:usable]
+
+    def open(self, stream_id: int) -> None:
+        block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                                     (":authority", "picker"), ("te", "trailers"),
+                                     ("content-type", "application/grpc")])
+        self.writer.write(frame(HEADERS, END_HEADERS, stream_id, block))
+        self.stream_windows[stream_id] = 1 * MIB  # the server's advertised initial window
+
+    def send(self, stream_id: int, data: bytes, end: bool = False) -> int:
+        """Send as much of ``data`` as the windows allow; returns how much went."""
+        allowed = min(len(data), self.window, self.stream_windows[stream_id])
+        sent = 0
+        while sent < allowed:
+            chunk = min(allowed - sent, 1 * MIB)
+            last = end and sent + chunk == len(data)
+            self.writer.write(frame(DATA, END_STREAM if last else 0, stream_id,
+                                    data[sent: sent + chunk]))
+            sent += chunk
+        self.window -= sent
+        self.stream_windows[stream_id] -= sent
+        return sent
+
+    def status(self, stream_id: int) -> str | None:
+        """The grpc-status of a call that ended (None: not ended)."""
+        for kind, flags, sid, payload in self.frames:
+            if kind == HEADERS and sid == stream_id and flags & END_STREAM:
+                fields = dict(self.decoder.decode(payload))
+                return fields.get("grpc-status")
+        return None
+
+    def answers(self, stream_id: int) -> bytes:
+        return b"".join(payload for kind, _, sid, payload in self.frames
+                        if kind == DATA and sid == stream_id)
+
+    def close(self) -> None:
+        self.writer.close()
