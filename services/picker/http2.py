@@ -25,6 +25,17 @@ library and gRPC's C core bound the same things, with the values noted):
   cap [max message + 1 MiB]: partial messages of all its streams never exceed it, and a peer
   sending past a window gets FLOW_CONTROL_ERROR. If partial messages fill the cap so that none
   can complete, the stream holding the most is ended with RESOURCE_EXHAUSTED.
+- Server-wide, all connections together hold at most [256 MiB]: receive windows granted,
+  partial messages and answers waiting for window (gRPC core's resource quota bounds the
+  same). A connection reserves from this budget before it grants window or parks an answer,
+  and keeps the protocol's default window (64 KiB) reserved, so a client sending small
+  messages always progresses; when the budget is spent, windows are granted smaller or not
+  refilled, and a client that can send nothing more gets room by the end (RESOURCE_EXHAUSTED)
+  of the largest unfinished message across all connections (a large one being trickled in,
+  not the small ones). An answer that cannot be parked within it: GOAWAY ENHANCE_YOUR_CALM.
+  Windows granted but unused cannot be taken back (HTTP/2 has no way), so they count too.
+- Connections [1024] per server: one more is closed at once (SETTINGS, GOAWAY
+  ENHANCE_YOUR_CALM), and counted like any connection error.
 - Header blocks: [16 KiB] compressed, checked on every HEADERS and CONTINUATION frame before
   any decoding, [16 KiB] decoded (SETTINGS_MAX_HEADER_LIST_SIZE; gRPC core's hard default is
   16 KiB, h2's 64 KiB), at most [64] CONTINUATION frames (h2's backlog) and at most two table
