@@ -57,6 +57,7 @@ from tests.support.http2_peer import (  # noqa: E402
     RawClient,
     grpc_message,
     parse,
+    trickle,
 )
 
 OLD_REV = "ae025d4"  # the last commit before the limits
@@ -265,32 +266,12 @@ async def many_connections(module: ModuleType, connections: int) -> dict[str, fl
     before = rss()
     clients = [await RawClient.connect(port) for _ in range(connections)]
     size = 32 << 20
-    prefix = b"\x00" + size.to_bytes(4, "big")
-    chunk = b"p" * (1 << 20)
-    remaining = [size + 5 - 1] * connections  # all of it but the last byte
-    for client in clients:
-        client.open(1)
-    started = time.monotonic()
-    for _ in range(200):  # rounds, bounded in count and time
-        progress = 0
-        for index, client in enumerate(clients):
-            await client.pump(0.005)
-            if client.eof or client.status(1) is not None or not remaining[index]:
-                continue
-            first = remaining[index] == size + 4
-            data = (prefix + chunk[5:]) if first else chunk[: min(len(chunk), remaining[index])]
-            sent = client.send(1, data)
-            remaining[index] -= sent
-            progress += sent
-            await client.writer.drain()
-        await asyncio.sleep(0.01)
-        if not progress or time.monotonic() - started > 60.0:
-            break
+    sent = await trickle(clients, size, seconds=60.0)
     await asyncio.sleep(0.3)  # the server reads what is in flight
     growth = rss() - before
     held = sum(connection.buffered_bytes + connection.parked_bytes
                for connection in server._connections)
-    sent_total = sum(size + 4 - left for left in remaining)
+    sent_total = sum(sent)
     ended = sum(client.status(1) is not None for client in clients)
     for client in clients:
         client.close()

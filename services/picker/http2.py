@@ -27,13 +27,15 @@ library and gRPC's C core bound the same things, with the values noted):
   can complete, the stream holding the most is ended with RESOURCE_EXHAUSTED.
 - Server-wide, all connections together hold at most [256 MiB]: receive windows granted,
   partial messages and answers waiting for window (gRPC core's resource quota bounds the
-  same). A connection reserves from this budget before it grants window or parks an answer,
-  and keeps the protocol's default window (64 KiB) reserved, so a client sending small
-  messages always progresses; when the budget is spent, windows are granted smaller or not
-  refilled, and a client that can send nothing more gets room by the end (RESOURCE_EXHAUSTED)
-  of the largest unfinished message across all connections (a large one being trickled in,
-  not the small ones). An answer that cannot be parked within it: GOAWAY ENHANCE_YOUR_CALM.
-  Windows granted but unused cannot be taken back (HTTP/2 has no way), so they count too.
+  same). The protocol's default window (64 KiB) is set aside for every allowed connection
+  [1024: 64 MiB], so a new connection is never turned away for want of budget and a client
+  sending small messages always progresses; beyond it, a connection reserves from the shared
+  rest before it grants window or parks an answer. When the budget is spent, windows are
+  granted smaller or not refilled, and a client that can send nothing more gets room by the
+  end (RESOURCE_EXHAUSTED) of the largest unfinished message across all connections (a large
+  one being trickled in, not the small ones). An answer that cannot be parked within it:
+  GOAWAY ENHANCE_YOUR_CALM. Windows granted but unused cannot be taken back (HTTP/2 has no
+  way), so they count too.
 - Connections [1024] per server: one more is closed at once (SETTINGS, GOAWAY
   ENHANCE_YOUR_CALM), and counted like any connection error.
 - Header blocks: [16 KiB] compressed, checked on every HEADERS and CONTINUATION frame before
@@ -189,7 +191,7 @@ class ProtocolFault(Exception):
 
 class _Stream:
     __slots__ = ("credit", "finished", "handler", "headers_sent", "heap_token", "id", "inbox",
-                 "parked", "pending", "recv_window", "remote_closed", "trailers")
+                 "need", "parked", "pending", "recv_window", "remote_closed", "trailers")
 
     def __init__(self, stream_id: int, handler: StreamHandler, recv_window: int) -> None:
         self.id = stream_id
@@ -199,6 +201,7 @@ class _Stream:
         self.credit = 0
         self.recv_window = recv_window  # bytes the client may still send on this stream
         self.inbox = bytearray()
+        self.need = 0  # bytes still to come of the message being received, once announced
         self.pending = bytearray()  # answer bytes waiting for flow-control window
         self.trailers: bytes | None = None  # trailers waiting behind `pending`
         self.headers_sent = False
@@ -218,12 +221,14 @@ class Http2Connection(asyncio.Protocol):
                  on_error: Callable[[str], None] = lambda kind: None,
                  warnings: RateLimitedLog | None = None,
                  budget: BufferBudget | None = None,
-                 reclaim: Callable[[], bool] = lambda: False) -> None:
+                 reclaim: Callable[[Http2Connection], bool] = lambda connection: False,
+                 ) -> None:
         """``loop`` runs the preface and idle timers (none without it); ``on_error`` is called
         with the kind of each connection error (an RFC 9113 error name, or PREFACE_TIMEOUT);
         ``warnings`` throttles the log lines about them. ``budget`` is shared by the server's
-        connections (none: this connection is bounded by its own caps only); ``reclaim`` ends
-        the largest unfinished message on any of them, False when there is none."""
+        connections (none: this connection is bounded by its own caps only); ``reclaim`` makes
+        room in it for this connection (see :meth:`Http2Server._reclaim`), False when it
+        cannot."""
         self._handlers = handlers
         self._max_message = max_message
         self._on_lost = on_lost
@@ -255,13 +260,16 @@ class Http2Connection(asyncio.Protocol):
         self._buffer_cap = limits.buffered_cap(max_message)
         self._recv_window = DEFAULT_WINDOW  # until our WINDOW_UPDATE in the greeting
         self._buffered = 0  # bytes of partial messages in the streams' inboxes
+        self._need = 0  # the streams' `need`: what announced messages still lack
         self._parked_cap = limits.parked_cap(max_message)
         self._parked = 0  # bytes of answers in the streams' `pending`, waiting for window
         # Server-wide: what this connection may hold (receive window + partial messages +
-        # parked answers) is reserved from the budget first; `_settle` returns the excess.
+        # parked answers) is reserved first; `_settle` returns the excess. The protocol's default
+        # window is reserved for it by the server (its budget leaves room for that much per
+        # connection allowed); the rest comes from the shared budget.
         self._budget = budget if budget is not None else BufferBudget(1 << 62)
         self._reclaim = reclaim
-        self._reserved = 0
+        self._reserved = DEFAULT_WINDOW
         self._control = TokenBucket(limits.control_burst, limits.control_rate)
         self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
         self._paused = False  # the transport's write buffer is above its high-water mark
@@ -283,19 +291,6 @@ class Http2Connection(asyncio.Protocol):
             (INITIAL_WINDOW_SIZE, limits.stream_window), (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE),
             (MAX_HEADER_LIST_SIZE, limits.max_header_list)))
         self._out.append(frame(SETTINGS, 0, 0, settings))
-        # The client may send the protocol's default window before any WINDOW_UPDATE: that
-        # much is reserved (ending others' largest messages if need be) or the connection goes.
-        if self._reserve(DEFAULT_WINDOW, reclaim=True) < DEFAULT_WINDOW:
-            self._report(ERROR_NAMES[ENHANCE_YOUR_CALM], "server buffer budget spent")
-            self._out.append(frame(GOAWAY, 0, 0, (0).to_bytes(4, "big")
-                                   + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
-            self._close()
-            return
-        grant = self._budget.grant(self._buffer_cap - DEFAULT_WINDOW)  # less when it is spent
-        if grant > 0:
-            self._reserved += grant
-            self._out.append(frame(WINDOW_UPDATE, 0, 0, grant.to_bytes(4, "big")))
-            self._recv_window += grant
         self._write()
         if self._loop is not None:
             self._idle_since = self._loop.time()
@@ -313,8 +308,7 @@ class Http2Connection(asyncio.Protocol):
             self._timer = None
         for stream in list(self._streams.values()):
             self._drop(stream)
-        self._budget.give_back(self._reserved)
-        self._reserved = 0
+        self._release()
         self._on_lost(self)
 
     def pause_writing(self) -> None:
@@ -352,7 +346,8 @@ class Http2Connection(asyncio.Protocol):
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes this connection holds of the server's budget (never less than it holds)."""
+        """Bytes this connection may hold (never less than it holds): the protocol's default
+        window, which the server keeps for every connection, plus its part of the budget."""
         return self._reserved
 
     def largest_partial(self) -> int:
@@ -376,13 +371,34 @@ class Http2Connection(asyncio.Protocol):
         if not self._processing:
             self._write()
 
+    @property
+    def idle_window(self) -> int:
+        """Receive window granted beyond what announced messages lack and the default window:
+        budget a client holds without sending (e.g. after its call was ended)."""
+        return self._recv_window - DEFAULT_WINDOW - self._need
+
+    def calm_down(self) -> None:
+        """Close for holding budget others need: GOAWAY ENHANCE_YOUR_CALM, calls dropped and
+        the budget returned now, not when the transport reports the close."""
+        self._report(ERROR_NAMES[ENHANCE_YOUR_CALM], "idle window while the budget is spent")
+        self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
+                               + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
+        self._close()
+        for stream in list(self._streams.values()):
+            self._drop(stream)
+        self._release()
+
+    def _release(self) -> None:
+        self._budget.give_back(self._reserved - DEFAULT_WINDOW)
+        self._reserved = DEFAULT_WINDOW
+
     def _reserve(self, target: int, reclaim: bool) -> int:
         """Reserve from the budget until this connection holds ``target`` bytes of it (fewer
         when the budget is spent; with ``reclaim``, after ending the largest unfinished
         messages while that helps); returns the reservation."""
         while self._reserved < target:
             self._reserved += self._budget.grant(target - self._reserved)
-            if self._reserved >= target or not reclaim or not self._reclaim():
+            if self._reserved >= target or not reclaim or not self._reclaim(self):
                 break
         return self._reserved
 
@@ -578,31 +594,40 @@ class Http2Connection(asyncio.Protocol):
         window = self._limits.stream_window
         inbox = stream.inbox
         need = 5 + int.from_bytes(inbox[1:5], "big") - len(inbox) if len(inbox) >= 5 else 0
+        if need != stream.need:
+            self._need += need - stream.need
+            stream.need = need
         grant = max(window, need) - stream.recv_window
         if grant > 0 and (grant >= window // 2 or stream.recv_window < need):
             self._out.append(frame(WINDOW_UPDATE, 0, stream.id, grant.to_bytes(4, "big")))
             stream.recv_window += grant
 
     def _refill_connection(self) -> None:
-        """Grant the connection window what the buffer cap and the server's budget leave free;
-        when partial messages fill the cap so that none can complete, end the stream that holds
-        the most, and when the budget is spent so that the client can send nothing more, end
-        the largest unfinished message of any connection."""
-        free = self._buffer_cap - self._buffered - self._recv_window
-        if free <= 0 and self._recv_window <= 0 and self._buffered:
+        """Keep the connection window at what the announced messages still lack plus the
+        default window, within the buffer cap and the server's budget (a window granted
+        ahead of need could sit idle, holding budget others need). When partial messages fill
+        the cap so that none can complete, end the stream that holds the most; when the budget
+        is spent so that the client can send nothing more, end the largest unfinished message
+        of any connection."""
+        if 2 * self._recv_window > DEFAULT_WINDOW + self._need:
+            return  # the usual case: more than half the target left, nothing to do
+        if (self._buffer_cap - self._buffered - self._recv_window <= 0
+                and self._recv_window <= 0 and self._buffered):
             largest = max((stream for stream in self._streams.values() if stream.inbox),
                           key=lambda stream: len(stream.inbox))
             self._finish(largest, GRPC_RESOURCE_EXHAUSTED, "connection buffer full")
-            free = self._buffer_cap - self._buffered - self._recv_window
-        if free >= self._buffer_cap // 4 or (free > 0 and self._recv_window <= 0):
+        target = min(self._buffer_cap - self._buffered, DEFAULT_WINDOW + self._need)
+        free = target - self._recv_window
+        if free > 0 and (2 * free >= target or self._recv_window <= 0):
             held = self._held()
             if self._reserved - held < free:
                 self._reserve(held + free, reclaim=False)
                 # Stuck (no window left) and nothing to grant: make room, one message at a time.
                 while (self._recv_window <= 0 and self._reserved <= self._held()
-                       and self._reclaim()):
+                       and self._reclaim(self)):
                     self._reserve(self._held() + free, reclaim=False)
-                free = min(self._buffer_cap - self._buffered - self._recv_window,
+                free = min(min(self._buffer_cap - self._buffered,
+                               DEFAULT_WINDOW + self._need) - self._recv_window,
                            self._reserved - self._held())
                 if free <= 0:
                     return
@@ -906,6 +931,8 @@ class Http2Connection(asyncio.Protocol):
         stream.finished = True
         self._buffered -= len(stream.inbox)
         stream.inbox.clear()
+        self._need -= stream.need
+        stream.need = 0
         stream.handler.on_close()
         block = TRAILERS_OK if status == GRPC_OK and not message else trailers(status, message)
         if not stream.headers_sent:
@@ -932,6 +959,8 @@ class Http2Connection(asyncio.Protocol):
         self._unpark(stream)
         self._buffered -= len(stream.inbox)
         stream.inbox.clear()
+        self._need -= stream.need
+        stream.need = 0
         self._parked -= len(stream.pending)
         stream.pending.clear()
         if not stream.finished:
@@ -1012,11 +1041,16 @@ class Http2Server:
         self._limits = limits if limits is not None else Http2Limits()
         if self._limits.buffered_cap(max_message) < max_message + 5:
             raise ValueError("max_buffered must hold one message of max_message bytes")
-        if self._limits.max_total_buffered < self._limits.buffered_cap(max_message):
-            raise ValueError("max_total_buffered must hold one connection's buffer cap")
+        # Every connection may hold the default window (a client may send that much before
+        # any WINDOW_UPDATE): that much per allowed connection is set aside, so that a new
+        # connection is never turned away for want of budget; the rest is shared.
+        floors = self._limits.max_connections * DEFAULT_WINDOW
+        if self._limits.max_total_buffered < floors + self._limits.buffered_cap(max_message):
+            raise ValueError("max_total_buffered must hold the default window of every allowed "
+                             "connection and one connection's buffer cap")
         self._on_error = on_error
         self._warnings = RateLimitedLog(log)  # shared: a flood of bad connections logs little
-        self.budget = BufferBudget(self._limits.max_total_buffered)
+        self.budget = BufferBudget(self._limits.max_total_buffered - floors)
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.Server | None = None
         self._idle = asyncio.Event()  # set whenever no connection is open
@@ -1040,6 +1074,11 @@ class Http2Server:
         """Connections open now."""
         return len(self._connections)
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the open connections may hold in all (never more than max_total_buffered)."""
+        return self.budget.used + len(self._connections) * DEFAULT_WINDOW
+
     def _connection(self) -> asyncio.Protocol:
         if len(self._connections) >= self._limits.max_connections:
             return _Refused(self._on_error, self._warnings)
@@ -1051,19 +1090,29 @@ class Http2Server:
         self._idle.clear()
         return connection
 
-    def _reclaim(self) -> bool:
-        """The budget is spent: end the largest unfinished message across all connections (a
-        large one being trickled in, not the small ones of a well-behaved client). Scans the
-        connections, but runs only when a client could otherwise send nothing more."""
+    def _reclaim(self, requester: Http2Connection) -> bool:
+        """The budget is spent and ``requester``'s client can send nothing more: free the most
+        that one step can. Either end the largest unfinished message across all connections (a
+        large one being trickled in, not the small ones of a well-behaved client), or, if more
+        is held that way, close the connection holding the most window it was granted for
+        messages it no longer sends (HTTP/2 cannot take window back). Scans the connections,
+        but runs only when a client could otherwise send nothing more."""
         largest, size = None, 0
         for connection in self._connections:
             if connection.buffered_bytes > size:  # only then can it hold a larger message
                 partial = connection.largest_partial()
                 if partial > size:
                     largest, size = connection, partial
-        if largest is None:
+        idlest, idle = None, size
+        for connection in self._connections:
+            if connection is not requester and connection.idle_window > idle:
+                idlest, idle = connection, connection.idle_window
+        if idlest is not None:
+            idlest.calm_down()
+        elif largest is not None:
+            largest.end_largest_partial()
+        else:
             return False
-        largest.end_largest_partial()
         return True
 
     def _lost(self, connection: Http2Connection) -> None:

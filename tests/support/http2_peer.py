@@ -6,6 +6,7 @@ fuzz suite and its attack benchmark."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 import hpack
@@ -127,7 +128,7 @@ class Peer:
         self.decoder = hpack.Decoder()
         self.server_greeting = self.read()
 
-    def _reclaim(self) -> bool:
+    def _reclaim(self, connection: Http2Connection) -> bool:
         if not self.connection.largest_partial():
             return False
         self.connection.end_largest_partial()
@@ -243,3 +244,37 @@ class RawClient:
 
     def close(self) -> None:
         self.writer.close()
+
+
+async def trickle(clients: Sequence[RawClient], size: int, seconds: float, rounds: int = 200,
+                  after_round: Callable[[], None] = lambda: None) -> list[int]:
+    """Each client opens stream 1 with a message announcing ``size`` bytes and sends all of it
+    but the last byte, 1 MiB at a time, as fast as the server's windows allow, never the end:
+    until no client has sent more for 5 rounds, the server ended their calls, or ``rounds``
+    or ``seconds`` ran out; ``after_round`` is called after each round. Returns the bytes each
+    client sent."""
+    total = 5 + size - 1
+    sent = [0] * len(clients)
+    for client in clients:
+        client.open(1)
+    deadline = time.monotonic() + seconds
+    still = 0  # rounds in a row without progress (a window update may be in flight)
+    for _ in range(rounds):
+        progress = 0
+        for index, client in enumerate(clients):
+            await client.pump(0.005)
+            if client.eof or client.status(1) is not None or sent[index] == total:
+                continue
+            piece = min(MIB, total - sent[index])
+            data = (b"\x00" + size.to_bytes(4, "big") + b"p" * (piece - 5) if not sent[index]
+                    else b"p" * piece)
+            went = client.send(1, data)
+            sent[index] += went
+            progress += went
+            await client.writer.drain()
+        await asyncio.sleep(0.01)
+        after_round()
+        still = 0 if progress else still + 1
+        if still == 5 or time.monotonic() > deadline:
+            break
+    return sent
