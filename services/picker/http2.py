@@ -21,21 +21,24 @@ library and gRPC's C core bound the same things, with the values noted):
   one more is refused with RST_STREAM REFUSED_STREAM (h2 advertises 100; gRPC core is unbounded).
 - Receive flow control is real: each stream starts with a [1 MiB] window, topped up as its
   messages are handed over, and widened to a whole message once a message's 5-byte prefix
-  announces it (up to the max message size). The connection window is the connection's buffer
-  cap [max message + 1 MiB]: partial messages of all its streams never exceed it, and a peer
-  sending past a window gets FLOW_CONTROL_ERROR. If partial messages fill the cap so that none
-  can complete, the stream holding the most is ended with RESOURCE_EXHAUSTED.
+  announces it (up to the max message size). The connection window follows need: the
+  protocol's default (64 KiB) plus what announced messages still lack, within the connection's
+  buffer cap [max message + 1 MiB], so partial messages of all its streams never exceed the
+  cap, and a window granted is one a message needs; a peer sending past a window gets
+  FLOW_CONTROL_ERROR. If partial messages fill the cap so that none can complete, the stream
+  holding the most is ended with RESOURCE_EXHAUSTED.
 - Server-wide, all connections together hold at most [256 MiB]: receive windows granted,
   partial messages and answers waiting for window (gRPC core's resource quota bounds the
   same). The protocol's default window (64 KiB) is set aside for every allowed connection
   [1024: 64 MiB], so a new connection is never turned away for want of budget and a client
   sending small messages always progresses; beyond it, a connection reserves from the shared
   rest before it grants window or parks an answer. When the budget is spent, windows are
-  granted smaller or not refilled, and a client that can send nothing more gets room by the
-  end (RESOURCE_EXHAUSTED) of the largest unfinished message across all connections (a large
-  one being trickled in, not the small ones). An answer that cannot be parked within it:
-  GOAWAY ENHANCE_YOUR_CALM. Windows granted but unused cannot be taken back (HTTP/2 has no
-  way), so they count too.
+  granted smaller or not refilled, and a client that can send nothing more gets room, one step
+  at a time, by whichever frees more: the end (RESOURCE_EXHAUSTED) of the largest unfinished
+  message across all connections (a large one being trickled in, not the small ones), or the
+  close (GOAWAY ENHANCE_YOUR_CALM) of the connection holding the most window granted for
+  messages it no longer sends (HTTP/2 cannot take window back). An answer that cannot be
+  parked within the budget: GOAWAY ENHANCE_YOUR_CALM.
 - Connections [1024] per server: one more is closed at once (SETTINGS, GOAWAY
   ENHANCE_YOUR_CALM), and counted like any connection error.
 - Header blocks: [16 KiB] compressed, checked on every HEADERS and CONTINUATION frame before
