@@ -5,12 +5,16 @@ follow the server's flow-control windows (so every byte they send is one the ser
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+from pathlib import Path
 
 from services.picker.http2 import ENHANCE_YOUR_CALM, GOAWAY, Http2Server
 from services.picker.http2_limits import MIB, Http2Limits
 from tests.support.http2_peer import PATH, Echo, RawClient, grpc_message, trickle
 
 MAX_MESSAGE = 4 * MIB
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def held(server: Http2Server) -> int:
@@ -108,3 +112,50 @@ async def test_connections_past_the_cap_are_closed_and_counted() -> None:
         for client in clients:
             client.close()
         await server.stop(0.5)
+
+
+_SERVER = """
+import asyncio, sys
+from services.picker.http2 import Http2Server
+from services.picker.http2_limits import MIB, Http2Limits
+from tests.support.http2_peer import PATH, Echo
+
+async def main():
+    limits = Http2Limits(max_total_buffered=16 * MIB, max_connections=16)
+    server = Http2Server({PATH: lambda: Echo([])}, 4 * MIB, limits=limits)
+    print(await server.start("127.0.0.1", 0), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
+    await server.stop(0.5)
+
+asyncio.run(main())
+"""
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_the_server_process_grows_by_at_most_the_budget() -> None:
+    """12 connections x 4 MiB partial messages: a server process with a 16 MiB budget grows by
+    the budget and some slack, not by the 48 MiB sent its way before the budget."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _SERVER, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+    assert process.stdout is not None and process.stdin is not None
+    attackers: list[RawClient] = []
+    try:
+        port = int(await asyncio.wait_for(process.stdout.readline(), 20.0))
+        for _ in range(12):
+            attackers.append(await RawClient.connect(port))
+        before = _rss(process.pid)
+        peaks: list[int] = []
+        await trickle(attackers, MAX_MESSAGE, seconds=30.0,
+                      after_round=lambda: peaks.append(_rss(process.pid)))
+        growth = max(peaks) - before
+        assert growth <= 28 * MIB, f"RSS grew by {growth / MIB:.0f} MiB"
+    finally:
+        for attacker in attackers:
+            attacker.close()
+        process.stdin.close()
+        await asyncio.wait_for(process.wait(), 10.0)
