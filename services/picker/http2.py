@@ -261,7 +261,7 @@ class Http2Connection(asyncio.Protocol):
         self._heap_tokens = 0
         # Receiving.
         self._buffer_cap = limits.buffered_cap(max_message)
-        self._recv_window = DEFAULT_WINDOW  # until our WINDOW_UPDATE in the greeting
+        self._recv_window = DEFAULT_WINDOW  # the protocol's; widened as messages need more
         self._buffered = 0  # bytes of partial messages in the streams' inboxes
         self._need = 0  # the streams' `need`: what announced messages still lack
         self._parked_cap = limits.parked_cap(max_message)
@@ -354,8 +354,9 @@ class Http2Connection(asyncio.Protocol):
         return self._reserved
 
     def largest_partial(self) -> int:
-        """Bytes of this connection's largest unfinished request message (0: none)."""
-        if not self._buffered:
+        """Bytes of this connection's largest unfinished request message (0: none, or the
+        connection is closing: it frees everything when the transport reports the close)."""
+        if not self._buffered or self._closing:
             return 0
         return max(len(stream.inbox) for stream in self._streams.values())
 
@@ -377,7 +378,9 @@ class Http2Connection(asyncio.Protocol):
     @property
     def idle_window(self) -> int:
         """Receive window granted beyond what announced messages lack and the default window:
-        budget a client holds without sending (e.g. after its call was ended)."""
+        budget a client holds without sending (e.g. after its call was ended); 0 once closing."""
+        if self._closing:
+            return 0
         return self._recv_window - DEFAULT_WINDOW - self._need
 
     def calm_down(self) -> None:
