@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.picker.http2 import ENHANCE_YOUR_CALM, GOAWAY, Http2Server
+from services.picker.http2 import ENHANCE_YOUR_CALM, GOAWAY, RST_STREAM, Http2Server, frame
 from services.picker.http2_limits import MIB, Http2Limits
 from tests.support.http2_peer import PATH, Echo, RawClient, grpc_message, trickle
 
@@ -159,3 +159,47 @@ async def test_the_server_process_grows_by_at_most_the_budget() -> None:
             attacker.close()
         process.stdin.close()
         await asyncio.wait_for(process.wait(), 10.0)
+
+
+async def test_a_window_left_idle_is_taken_back_by_closing_its_connection() -> None:
+    """A client announces a large message, so it is granted window for it, then resets the
+    call and sends nothing more: that window holds budget an honest large message needs. The
+    server closes the idle connection (GOAWAY ENHANCE_YOUR_CALM) rather than end the honest
+    call, whose partial message is the largest one left."""
+    errors: list[str] = []
+    limits = Http2Limits(max_connections=4)
+    limit = 4 * 65_535 + limits.buffered_cap(MAX_MESSAGE)  # the least the server accepts
+    server = Http2Server({PATH: lambda: Echo([])}, MAX_MESSAGE, on_error=errors.append,
+                         limits=Http2Limits(max_connections=4, max_total_buffered=limit))
+    port = await server.start("127.0.0.1", 0)
+    idle = honest = None
+    try:
+        idle = await RawClient.connect(port)
+        idle.open(1)
+        idle.send(1, b"\x00" + MAX_MESSAGE.to_bytes(4, "big") + b"i" * 100)
+        await idle.writer.drain()
+        await idle.pump(0.1)
+        assert idle.window > 4 * MIB  # granted for the announced message
+        idle.writer.write(frame(RST_STREAM, 0, 1, (0).to_bytes(4, "big")))
+        await idle.writer.drain()
+        honest = await RawClient.connect(port)
+        message = grpc_message(b"h" * (2 * MIB))
+        honest.open(1)
+        offset = 0
+        for _ in range(200):  # bounded: each round sends what the windows allow
+            offset += honest.send(1, message[offset:], end=True)
+            await honest.writer.drain()
+            await honest.pump(0.05)
+            if honest.status(1) is not None:
+                break
+        assert honest.status(1) == "0" and len(honest.answers(1)) == len(message) + 5
+        await idle.pump(0.5)
+        assert idle.eof and [int.from_bytes(payload[4:8], "big") for kind, _, _, payload
+                             in idle.frames if kind == GOAWAY] == [ENHANCE_YOUR_CALM]
+        assert errors == ["ENHANCE_YOUR_CALM"]
+        assert server.reserved_bytes <= limit
+    finally:
+        for client in (idle, honest):
+            if client is not None:
+                client.close()
+        await server.stop(0.5)
