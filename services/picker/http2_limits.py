@@ -25,8 +25,9 @@ class Http2Limits(msgspec.Struct, frozen=True):
     # ENHANCE_YOUR_CALM).
     max_connections: int = 1024
     # Bytes all connections together may make the server hold: receive windows granted,
-    # partial request messages and answers waiting for window. At least one connection's
-    # buffer cap (one message of the largest size always fits).
+    # partial request messages and answers waiting for window. At least the default window
+    # (64 KiB) of every allowed connection, set aside for each, plus one connection's buffer
+    # cap (one message of the largest size always fits).
     max_total_buffered: int = 256 * MIB
 
     # SETTINGS_MAX_CONCURRENT_STREAMS, advertised and enforced (REFUSED_STREAM past it).
