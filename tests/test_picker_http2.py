@@ -40,8 +40,7 @@ from tests.support.http2_peer import PATH, Echo, FakeTransport, Peer, grpc_messa
 
 def test_greeting_settings_and_ping() -> None:
     peer = Peer()
-    # The connection window stays the default until messages announce what they need.
-    (settings,) = peer.server_greeting
+    (settings, window_update) = peer.server_greeting
     assert settings[:3] == (SETTINGS, 0, 0)
     values = {int.from_bytes(settings[3][i: i + 2], "big"):
               int.from_bytes(settings[3][i + 2: i + 6], "big")
@@ -50,6 +49,7 @@ def test_greeting_settings_and_ping() -> None:
     assert values[INITIAL_WINDOW_SIZE] == Http2Limits().stream_window
     assert values[MAX_CONCURRENT_STREAMS] == 1000
     assert values[0x6] == Http2Limits().max_header_list
+    assert window_update[:3] == (WINDOW_UPDATE, 0, 0)
     peer.start()
     peer.send(frame(PING, 0, 0, b"12345678"))
     assert peer.read() == [(PING, ACK, 0, b"12345678")]
@@ -150,7 +150,7 @@ def test_answers_wait_for_flow_control_window() -> None:
     peer.start(INITIAL_WINDOW_SIZE.to_bytes(2, "big") + (10).to_bytes(4, "big"))
     payload = b"p" * 40_000
     peer.send(peer.headers(1), frame(DATA, END_STREAM, 1, grpc_message(payload)))
-    frames = [f for f in peer.read() if f[0] != WINDOW_UPDATE]  # our receive window's refill
+    frames = peer.read()
     assert [(kind, len(data)) for kind, _, _, data in frames] == [
         (HEADERS, len(RESPONSE_HEADERS)), (DATA, 10)]
     peer.send(frame(WINDOW_UPDATE, 0, 1, (50_000).to_bytes(4, "big")))

@@ -21,12 +21,12 @@ library and gRPC's C core bound the same things, with the values noted):
   one more is refused with RST_STREAM REFUSED_STREAM (h2 advertises 100; gRPC core is unbounded).
 - Receive flow control is real: each stream starts with a [1 MiB] window, topped up as its
   messages are handed over, and widened to a whole message once a message's 5-byte prefix
-  announces it (up to the max message size). The connection window follows need: the
-  protocol's default (64 KiB) plus what announced messages still lack, within the connection's
-  buffer cap [max message + 1 MiB], so partial messages of all its streams never exceed the
-  cap, and a window granted is one a message needs; a peer sending past a window gets
-  FLOW_CONTROL_ERROR. If partial messages fill the cap so that none can complete, the stream
-  holding the most is ended with RESOURCE_EXHAUSTED.
+  announces it (up to the max message size). The connection window starts at the connection's
+  buffer cap [max message + 1 MiB] (as far as the server-wide budget allows), and is refilled
+  by need: to the protocol's default (64 KiB) plus what announced messages still lack, within
+  the cap, so partial messages of all its streams never exceed it; a peer sending past a
+  window gets FLOW_CONTROL_ERROR. If partial messages fill the cap so that none can complete,
+  the stream holding the most is ended with RESOURCE_EXHAUSTED.
 - Server-wide, all connections together hold at most [256 MiB]: receive windows granted,
   partial messages and answers waiting for window (gRPC core's resource quota bounds the
   same). The protocol's default window (64 KiB) is set aside for every allowed connection
@@ -261,7 +261,7 @@ class Http2Connection(asyncio.Protocol):
         self._heap_tokens = 0
         # Receiving.
         self._buffer_cap = limits.buffered_cap(max_message)
-        self._recv_window = DEFAULT_WINDOW  # the protocol's; widened as messages need more
+        self._recv_window = DEFAULT_WINDOW  # until our WINDOW_UPDATE in the greeting
         self._buffered = 0  # bytes of partial messages in the streams' inboxes
         self._need = 0  # the streams' `need`: what announced messages still lack
         self._parked_cap = limits.parked_cap(max_message)
@@ -294,6 +294,14 @@ class Http2Connection(asyncio.Protocol):
             (INITIAL_WINDOW_SIZE, limits.stream_window), (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE),
             (MAX_HEADER_LIST_SIZE, limits.max_header_list)))
         self._out.append(frame(SETTINGS, 0, 0, settings))
+        # A first window of the whole buffer cap, as far as the budget allows: a client may
+        # send a large message at once. Unused, it is idle window, which the server takes
+        # back (by closing the connection) when another client needs the budget.
+        grant = self._budget.grant(self._buffer_cap - DEFAULT_WINDOW)
+        if grant > 0:
+            self._reserved += grant
+            self._recv_window += grant
+            self._out.append(frame(WINDOW_UPDATE, 0, 0, grant.to_bytes(4, "big")))
         self._write()
         if self._loop is not None:
             self._idle_since = self._loop.time()
@@ -609,7 +617,7 @@ class Http2Connection(asyncio.Protocol):
             stream.recv_window += grant
 
     def _refill_connection(self) -> None:
-        """Keep the connection window at what the announced messages still lack plus the
+        """Refill the connection window to what the announced messages still lack plus the
         default window, within the buffer cap and the server's budget (a window granted
         ahead of need could sit idle, holding budget others need). When partial messages fill
         the cap so that none can complete, end the stream that holds the most; when the budget
