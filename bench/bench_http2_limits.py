@@ -13,6 +13,14 @@ before the limits (``--old-rev``, read from git), on the same machine in the sam
   RSS growth of a fresh process per server. Target: < 20 MB (issue 13: +79 MB).
 - a 1 MiB HEADERS frame of HPACK table size updates: CPU to refuse it (issue 13: 0.87 s).
 - partial messages: 12 streams x 8 MiB of messages claiming 64 MiB: bytes the server holds.
+- many connections: N connections over loopback (a fresh process per server), each announcing
+  a 32 MiB message and sending it in 1 MiB DATA frames as fast as the server's windows allow,
+  never the end; the server's RSS growth and the bytes it holds, against the server before the
+  server-wide budget (``--budget-old-rev``). Target: within the budget (256 MiB); the old server
+  grows by ~N x 32 MiB.
+- hot path: CPU per small call (HEADERS + a 300-byte message + END_STREAM, echoed), in-process,
+  100 calls per read, median of repeats, against the same old server: what the budget's
+  accounting costs per call.
 
 Run: ``.venv/bin/python bench/bench_http2_limits.py [--streams 10000,20000,30000]``. Every
 loop is bounded in count; the amplification client stops after 10 s at most.
@@ -41,10 +49,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from services.picker import http2 as new_http2  # noqa: E402
-from services.picker.http2_limits import Http2Limits  # noqa: E402
-from tests.support.http2_peer import PATH, Echo, FakeTransport, grpc_message, parse  # noqa: E402
+from services.picker.http2_limits import MIB, BufferBudget, Http2Limits  # noqa: E402
+from tests.support.http2_peer import (  # noqa: E402
+    PATH,
+    Echo,
+    FakeTransport,
+    RawClient,
+    grpc_message,
+    parse,
+    trickle,
+)
 
 OLD_REV = "ae025d4"  # the last commit before the limits
+BUDGET_OLD_REV = "73d092c"  # the last commit before the server-wide budget
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -62,17 +79,56 @@ def load_old(rev: str) -> ModuleType:
 
 
 def connection(module: ModuleType, max_message: int = 1000,
-               limits: Http2Limits | None = None) -> tuple[Any, FakeTransport]:
+               limits: Http2Limits | None = None,
+               budget: BufferBudget | None = None) -> tuple[Any, FakeTransport]:
     """A connection of ``module``'s server on a fake transport, past the client preface."""
     handlers = {PATH: lambda: Echo([])}
     if module is new_http2:
-        conn = module.Http2Connection(handlers, max_message, limits=limits)
+        conn = module.Http2Connection(handlers, max_message, limits=limits, budget=budget)
     else:
         conn = module.Http2Connection(handlers, max_message)
     transport = FakeTransport()
     transport.protocol = conn
     conn.connection_made(transport)
     return conn, transport
+
+
+def hot_path(module: ModuleType, calls: int, repeats: int) -> float:
+    """Median CPU seconds per small call, 100 calls per read (as Envoy batches them)."""
+    budget = BufferBudget(256 * MIB) if module is new_http2 else None
+    timings = []
+    for _ in range(repeats):
+        conn, transport = connection(module, max_message=4 * MIB, budget=budget)
+        window = new_http2.MAX_WINDOW
+        conn.data_received(new_http2.PREFACE + new_http2.frame(
+            new_http2.SETTINGS, 0, 0, new_http2.INITIAL_WINDOW_SIZE.to_bytes(2, "big")
+            + window.to_bytes(4, "big"))
+            + new_http2.frame(new_http2.SETTINGS, new_http2.ACK, 0)
+            + new_http2.frame(new_http2.WINDOW_UPDATE, 0, 0,
+                              (window - 65_535).to_bytes(4, "big")))
+        encoder = hpack.Encoder()
+        encoder.header_table_size = 0
+        fields = [(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                  (":authority", "picker"), ("content-type", "application/grpc")]
+        message = grpc_message(b"m" * 300)
+        # The first block carries the table size update; every later one is the same bytes.
+        conn.data_received(new_http2.frame(new_http2.HEADERS, new_http2.END_HEADERS, 1,
+                                           encoder.encode(fields))
+                           + new_http2.frame(new_http2.DATA, new_http2.END_STREAM, 1, message))
+        block = encoder.encode(fields)
+        stream = 3
+        started = time.process_time()
+        for _ in range(calls // 100):
+            batch = bytearray()
+            for _ in range(100):
+                batch += new_http2.frame(new_http2.HEADERS, new_http2.END_HEADERS, stream, block)
+                batch += new_http2.frame(new_http2.DATA, new_http2.END_STREAM, stream, message)
+                stream += 2
+            conn.data_received(bytes(batch))
+            transport.written.clear()
+        timings.append((time.process_time() - started) / calls)
+        assert not transport.closed
+    return statistics.median(timings)
 
 
 def header_blocks(count: int) -> list[bytes]:
@@ -202,16 +258,44 @@ async def amplification(module: ModuleType, frames: int) -> dict[str, float]:
     return {"sent_kb": sent / 1024, "rss_growth_mb": growth / 2**20, "loop_stall_s": stall}
 
 
-def child(case: str, rev: str, frames: int) -> None:
-    """Run the amplification case for one server in this (fresh) process; print JSON."""
+async def many_connections(module: ModuleType, connections: int) -> dict[str, float]:
+    """RSS growth while ``connections`` clients each trickle in most of a 32 MiB message."""
+    max_message = 33 << 20  # the picker's
+    server = module.Http2Server({PATH: lambda: Echo([])}, max_message)
+    port = await server.start("127.0.0.1", 0)
+    before = rss()
+    clients = [await RawClient.connect(port) for _ in range(connections)]
+    size = 32 << 20
+    sent = await trickle(clients, size, seconds=60.0)
+    await asyncio.sleep(0.3)  # the server reads what is in flight
+    growth = rss() - before
+    held = sum(connection.buffered_bytes + connection.parked_bytes
+               for connection in server._connections)
+    sent_total = sum(sent)
+    ended = sum(client.status(1) is not None for client in clients)
+    for client in clients:
+        client.close()
+    await server.stop(0.5)
+    return {"sent_mb": sent_total / 2**20, "held_mb": held / 2**20,
+            "rss_growth_mb": growth / 2**20, "calls_ended": ended}
+
+
+def child(case: str, rev: str, frames: int, connections: int) -> None:
+    """Run the amplification (or, with ``connections``, the many-connections) case for one
+    server in this (fresh) process; print JSON."""
     module = new_http2 if case == "new" else load_old(rev)
-    print(json.dumps(asyncio.run(amplification(module, frames))))
+    if connections:
+        print(json.dumps(asyncio.run(many_connections(module, connections))))
+    else:
+        print(json.dumps(asyncio.run(amplification(module, frames))))
 
 
-def amplification_in_child(case: str, rev: str, frames: int) -> dict[str, float]:
+def in_child(case: str, rev: str, frames: int, connections: int = 0) -> dict[str, float]:
+    """One case in a fresh process, so that RSS growth is the server's alone."""
     output = subprocess.run([sys.executable, __file__, "--child", case, "--old-rev", rev,
-                             "--frames", str(frames)], check=True, capture_output=True,
-                            text=True, timeout=120, cwd=ROOT).stdout
+                             "--frames", str(frames), "--child-connections", str(connections)],
+                            check=True, capture_output=True, text=True, timeout=180,
+                            cwd=ROOT).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -227,10 +311,21 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=5000,
                         help="12-byte HEADERS frames in the amplification case (~60 KB)")
     parser.add_argument("--old-rev", default=OLD_REV, help="git revision of the old server")
+    parser.add_argument("--connections", type=int, default=16,
+                        help="connections in the many-connections case (0: skip it)")
+    parser.add_argument("--budget-old-rev", default=BUDGET_OLD_REV,
+                        help="git revision of the server before the server-wide budget")
+    parser.add_argument("--only-connections", action="store_true",
+                        help="run only the server-wide budget's cases (hot path, connections)")
     parser.add_argument("--child", choices=["new", "old"], help=argparse.SUPPRESS)
+    parser.add_argument("--child-connections", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.old_rev, args.frames)
+        child(args.child, args.old_rev, args.frames, args.child_connections)
+        return
+    if args.only_connections:
+        for text, passed in hot_path_verdicts(args) + connection_verdicts(args):
+            print(f"  {'PASS' if passed else 'FAIL'} {text}")
         return
     old = load_old(args.old_rev)
     counts = [int(count) for count in args.streams.split(",")]
@@ -269,14 +364,53 @@ def main() -> None:
           f"new {new_held / 2**20:.0f} MiB (cap {Http2Limits().buffered_cap(64 << 20) / 2**20:.0f}"
           " MiB)")
     for case in ("old", "new"):
-        figures = amplification_in_child(case, args.old_rev, args.frames)
+        figures = in_child(case, args.old_rev, args.frames)
         print(f"amplification ({case}): sent {figures['sent_kb']:.0f} KB, RSS "
               f"+{figures['rss_growth_mb']:.1f} MB, loop stall {figures['loop_stall_s']:.2f} s")
         if case == "new":
             verdicts.append((f"amplification RSS growth {figures['rss_growth_mb']:.1f} MB < 20 MB",
                              figures["rss_growth_mb"] < 20))
+    verdicts += hot_path_verdicts(args) + connection_verdicts(args)
     for text, passed in verdicts:
         print(f"  {'PASS' if passed else 'FAIL'} {text}")
+
+
+def hot_path_verdicts(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """CPU per small call, the old (``--budget-old-rev``) server as the baseline."""
+    old = load_old(args.budget_old_rev)
+    calls = 20_000
+    # Interleaved, so that the machine's load drifts over both alike.
+    befores, afters = [], []
+    for _ in range(args.repeats):
+        befores.append(hot_path(old, calls, 1))
+        afters.append(hot_path(new_http2, calls, 1))
+    before, after = statistics.median(befores), statistics.median(afters)
+    print(f"hot path, {calls} small calls, median of {args.repeats}: old "
+          f"{before * 1e6:.2f} us/call, new {after * 1e6:.2f} us/call, "
+          f"new/old {after / before:.3f}")
+    return [(f"hot path: new/old CPU per call {after / before:.3f} <= 1.05",
+             after / before <= 1.05)]
+
+
+def connection_verdicts(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """The many-connections case for the old (``--budget-old-rev``) and current server."""
+    if not args.connections:
+        return []
+    budget = Http2Limits().max_total_buffered
+    verdicts = []
+    for case in ("old", "new"):
+        figures = in_child(case, args.budget_old_rev, args.frames, args.connections)
+        print(f"{args.connections} connections x 32 MiB partial messages ({case}): sent "
+              f"{figures['sent_mb']:.0f} MiB, held {figures['held_mb']:.0f} MiB, RSS "
+              f"+{figures['rss_growth_mb']:.0f} MiB, calls ended {figures['calls_ended']:.0f}")
+        if case == "new":
+            verdicts.append((f"{args.connections} connections: held {figures['held_mb']:.0f} MiB"
+                             f" <= budget {budget / 2**20:.0f} MiB",
+                             figures["held_mb"] * 2**20 <= budget))
+            verdicts.append((f"{args.connections} connections: RSS growth "
+                             f"{figures['rss_growth_mb']:.0f} MiB <= budget + 64 MiB",
+                             figures["rss_growth_mb"] * 2**20 <= budget + 64 * 2**20))
+    return verdicts
 
 
 if __name__ == "__main__":

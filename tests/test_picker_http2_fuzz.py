@@ -2,7 +2,9 @@
 transport, no network), with small limits so that every limit is reached.
 
 Invariants after every frame: no exception escapes the protocol; buffered message bytes stay
-under the connection's cap and open streams under the concurrency limit; every frame the server
+under the connection's cap and open streams under the concurrency limit; what the connection
+may be made to hold (receive window, partial messages, parked answers) stays within what it
+reserved of a small server-wide budget, and that within the budget; every frame the server
 writes parses and fits the client's max frame size; a closed connection sent a GOAWAY first.
 After the sequence, a connection still open answers a PING.
 """
@@ -34,7 +36,7 @@ from services.picker.http2 import (
     WINDOW_UPDATE,
     frame,
 )
-from services.picker.http2_limits import Http2Limits
+from services.picker.http2_limits import BufferBudget, Http2Limits
 from tests.support.http2_peer import Echo, Peer, grpc_message
 
 MAX_MESSAGE = 300
@@ -45,6 +47,9 @@ limits_strategy = st.builds(
         max_buffered=MAX_MESSAGE + 5 + slack, write_high_water=high, write_low_water=high // 4,
         max_header_block=2048, max_header_list=2048),
     st.integers(1, 6), st.integers(1, 2000), st.integers(0, 3000), st.integers(64, 8192))
+# The server-wide budget beyond the default window set aside for every connection: small, so
+# that parked answers and window grants run into it.
+budget_extra_strategy = st.integers(0, 4000)
 
 
 class Replies(Echo):
@@ -152,9 +157,11 @@ def _control(client: Client, draw: st.DrawFn) -> list[bytes]:
 
 
 @st.composite
-def frame_sequences(draw: st.DrawFn) -> tuple[Http2Limits, list[list[bytes] | None]]:
-    """Limits, and a list of actions: frames to send, or None for "the client reads"."""
+def frame_sequences(draw: st.DrawFn) -> tuple[Http2Limits, int, list[list[bytes] | None]]:
+    """Limits, the budget, and a list of actions: frames to send, or None for "the client
+    reads"."""
     limits = draw(limits_strategy)
+    budget = draw(budget_extra_strategy)
     client = Client()
     actions: list[list[bytes] | None] = [_headers(client, draw)]
     for _ in range(draw(st.integers(0, 40))):
@@ -167,7 +174,7 @@ def frame_sequences(draw: st.DrawFn) -> tuple[Http2Limits, list[list[bytes] | No
             actions.append(_control(client, draw))
         else:
             actions.append(None)
-    return limits, actions
+    return limits, budget, actions
 
 
 # No shrinking: a failure is reported at once, with the whole sequence, instead of minutes later.
@@ -176,9 +183,11 @@ def frame_sequences(draw: st.DrawFn) -> tuple[Http2Limits, list[list[bytes] | No
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(frame_sequences())
 def test_frame_sequences_keep_the_server_within_its_limits(
-        sequence: tuple[Http2Limits, list[list[bytes] | None]]) -> None:
-    limits, actions = sequence
-    peer = Peer(max_message=MAX_MESSAGE, limits=limits, handler=Replies)
+        sequence: tuple[Http2Limits, int, list[list[bytes] | None]]) -> None:
+    limits, limit, actions = sequence
+    budget = BufferBudget(limit)
+    peer = Peer(max_message=MAX_MESSAGE, limits=limits, handler=Replies, budget=budget)
+    connection = peer.connection
     peer.send(PREFACE, frame(SETTINGS, 0, 0))  # header blocks decode in the order drawn
     cap = limits.buffered_cap(MAX_MESSAGE)
     max_frame = 16_384
@@ -196,6 +205,11 @@ def test_frame_sequences_keep_the_server_within_its_limits(
             held = sum(len(stream.inbox) for stream in peer.connection._streams.values())
             assert peer.connection.buffered_bytes == held <= cap
             assert peer.connection.open_streams <= limits.max_concurrent_streams
+            may_hold = (max(connection._recv_window, 0) + connection.buffered_bytes
+                        + connection.parked_bytes)
+            if not peer.transport.closed:  # (a closed one returns its part when it is lost)
+                assert may_hold <= connection.reserved_bytes == 65_535 + budget.used
+                assert budget.used <= limit
             if peer.transport.closed:
                 break
         if peer.transport.closed:

@@ -21,10 +21,26 @@ library and gRPC's C core bound the same things, with the values noted):
   one more is refused with RST_STREAM REFUSED_STREAM (h2 advertises 100; gRPC core is unbounded).
 - Receive flow control is real: each stream starts with a [1 MiB] window, topped up as its
   messages are handed over, and widened to a whole message once a message's 5-byte prefix
-  announces it (up to the max message size). The connection window is the connection's buffer
-  cap [max message + 1 MiB]: partial messages of all its streams never exceed it, and a peer
-  sending past a window gets FLOW_CONTROL_ERROR. If partial messages fill the cap so that none
-  can complete, the stream holding the most is ended with RESOURCE_EXHAUSTED.
+  announces it (up to the max message size). The connection window starts at the connection's
+  buffer cap [max message + 1 MiB] (as far as the server-wide budget allows), and is refilled
+  by need: to the protocol's default (64 KiB) plus what announced messages still lack, within
+  the cap, so partial messages of all its streams never exceed it; a peer sending past a
+  window gets FLOW_CONTROL_ERROR. If partial messages fill the cap so that none can complete,
+  the stream holding the most is ended with RESOURCE_EXHAUSTED.
+- Server-wide, all connections together hold at most [256 MiB]: receive windows granted,
+  partial messages and answers waiting for window (gRPC core's resource quota bounds the
+  same). The protocol's default window (64 KiB) is set aside for every allowed connection
+  [1024: 64 MiB], so a new connection is never turned away for want of budget and a client
+  sending small messages always progresses; beyond it, a connection reserves from the shared
+  rest before it grants window or parks an answer. When the budget is spent, windows are
+  granted smaller or not refilled, and a client that can send nothing more gets room, one step
+  at a time, by whichever frees more: the end (RESOURCE_EXHAUSTED) of the largest unfinished
+  message across all connections (a large one being trickled in, not the small ones), or the
+  close (GOAWAY ENHANCE_YOUR_CALM) of the connection holding the most window granted for
+  messages it no longer sends (HTTP/2 cannot take window back). An answer that cannot be
+  parked within the budget: GOAWAY ENHANCE_YOUR_CALM.
+- Connections [1024] per server: one more is closed at once (SETTINGS, GOAWAY
+  ENHANCE_YOUR_CALM), and counted like any connection error.
 - Header blocks: [16 KiB] compressed, checked on every HEADERS and CONTINUATION frame before
   any decoding, [16 KiB] decoded (SETTINGS_MAX_HEADER_LIST_SIZE; gRPC core's hard default is
   16 KiB, h2's 64 KiB), at most [64] CONTINUATION frames (h2's backlog) and at most two table
@@ -73,7 +89,7 @@ from typing import Protocol
 
 import hpack
 
-from services.picker.http2_limits import Http2Limits, TokenBucket
+from services.picker.http2_limits import BufferBudget, Http2Limits, TokenBucket
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.picker.http2")
@@ -178,7 +194,7 @@ class ProtocolFault(Exception):
 
 class _Stream:
     __slots__ = ("credit", "finished", "handler", "headers_sent", "heap_token", "id", "inbox",
-                 "parked", "pending", "recv_window", "remote_closed", "trailers")
+                 "need", "parked", "pending", "recv_window", "remote_closed", "trailers")
 
     def __init__(self, stream_id: int, handler: StreamHandler, recv_window: int) -> None:
         self.id = stream_id
@@ -188,6 +204,7 @@ class _Stream:
         self.credit = 0
         self.recv_window = recv_window  # bytes the client may still send on this stream
         self.inbox = bytearray()
+        self.need = 0  # bytes still to come of the message being received, once announced
         self.pending = bytearray()  # answer bytes waiting for flow-control window
         self.trailers: bytes | None = None  # trailers waiting behind `pending`
         self.headers_sent = False
@@ -205,10 +222,16 @@ class Http2Connection(asyncio.Protocol):
                  limits: Http2Limits | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
                  on_error: Callable[[str], None] = lambda kind: None,
-                 warnings: RateLimitedLog | None = None) -> None:
+                 warnings: RateLimitedLog | None = None,
+                 budget: BufferBudget | None = None,
+                 reclaim: Callable[[Http2Connection], bool] = lambda connection: False,
+                 ) -> None:
         """``loop`` runs the preface and idle timers (none without it); ``on_error`` is called
         with the kind of each connection error (an RFC 9113 error name, or PREFACE_TIMEOUT);
-        ``warnings`` throttles the log lines about them."""
+        ``warnings`` throttles the log lines about them. ``budget`` is shared by the server's
+        connections (none: this connection is bounded by its own caps only); ``reclaim`` makes
+        room in it for this connection (see :meth:`Http2Server._reclaim`), False when it
+        cannot."""
         self._handlers = handlers
         self._max_message = max_message
         self._on_lost = on_lost
@@ -240,8 +263,16 @@ class Http2Connection(asyncio.Protocol):
         self._buffer_cap = limits.buffered_cap(max_message)
         self._recv_window = DEFAULT_WINDOW  # until our WINDOW_UPDATE in the greeting
         self._buffered = 0  # bytes of partial messages in the streams' inboxes
+        self._need = 0  # the streams' `need`: what announced messages still lack
         self._parked_cap = limits.parked_cap(max_message)
         self._parked = 0  # bytes of answers in the streams' `pending`, waiting for window
+        # Server-wide: what this connection may hold (receive window + partial messages +
+        # parked answers) is reserved first; `_settle` returns the excess. The protocol's default
+        # window is reserved for it by the server (its budget leaves room for that much per
+        # connection allowed); the rest comes from the shared budget.
+        self._budget = budget if budget is not None else BufferBudget(1 << 62)
+        self._reclaim = reclaim
+        self._reserved = DEFAULT_WINDOW
         self._control = TokenBucket(limits.control_burst, limits.control_rate)
         self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
         self._paused = False  # the transport's write buffer is above its high-water mark
@@ -263,10 +294,14 @@ class Http2Connection(asyncio.Protocol):
             (INITIAL_WINDOW_SIZE, limits.stream_window), (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE),
             (MAX_HEADER_LIST_SIZE, limits.max_header_list)))
         self._out.append(frame(SETTINGS, 0, 0, settings))
-        if self._buffer_cap > DEFAULT_WINDOW:
-            self._out.append(frame(WINDOW_UPDATE, 0, 0,
-                                   (self._buffer_cap - DEFAULT_WINDOW).to_bytes(4, "big")))
-            self._recv_window = self._buffer_cap
+        # A first window of the whole buffer cap, as far as the budget allows: a client may
+        # send a large message at once. Unused, it is idle window, which the server takes
+        # back (by closing the connection) when another client needs the budget.
+        grant = self._budget.grant(self._buffer_cap - DEFAULT_WINDOW)
+        if grant > 0:
+            self._reserved += grant
+            self._recv_window += grant
+            self._out.append(frame(WINDOW_UPDATE, 0, 0, grant.to_bytes(4, "big")))
         self._write()
         if self._loop is not None:
             self._idle_since = self._loop.time()
@@ -284,6 +319,7 @@ class Http2Connection(asyncio.Protocol):
             self._timer = None
         for stream in list(self._streams.values()):
             self._drop(stream)
+        self._release()
         self._on_lost(self)
 
     def pause_writing(self) -> None:
@@ -318,6 +354,78 @@ class Http2Connection(asyncio.Protocol):
     def parked_bytes(self) -> int:
         """Bytes of answers held for this connection's streams, waiting for window."""
         return self._parked
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes this connection may hold (never less than it holds): the protocol's default
+        window, which the server keeps for every connection, plus its part of the budget."""
+        return self._reserved
+
+    def largest_partial(self) -> int:
+        """Bytes of this connection's largest unfinished request message (0: none, or the
+        connection is closing: it frees everything when the transport reports the close)."""
+        if not self._buffered or self._closing:
+            return 0
+        return max(len(stream.inbox) for stream in self._streams.values())
+
+    def end_largest_partial(self) -> None:
+        """End the call holding the largest unfinished message with RESOURCE_EXHAUSTED (the
+        server's budget is spent), and return the bytes it held to the budget."""
+        largest = max(self._streams.values(), key=lambda stream: len(stream.inbox))
+        try:
+            self._finish(largest, GRPC_RESOURCE_EXHAUSTED, "server buffer full")
+        except ProtocolFault as exc:
+            if self._processing:  # this connection's own frame loop handles it
+                raise
+            self._fail(exc)
+            return
+        self._settle()
+        if not self._processing:
+            self._write()
+
+    @property
+    def idle_window(self) -> int:
+        """Receive window granted beyond what announced messages lack and the default window:
+        budget a client holds without sending (e.g. after its call was ended); 0 once closing."""
+        if self._closing:
+            return 0
+        return self._recv_window - DEFAULT_WINDOW - self._need
+
+    def calm_down(self) -> None:
+        """Close for holding budget others need: GOAWAY ENHANCE_YOUR_CALM, calls dropped and
+        the budget returned now, not when the transport reports the close."""
+        self._report(ERROR_NAMES[ENHANCE_YOUR_CALM], "idle window while the budget is spent")
+        self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
+                               + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
+        self._close()
+        for stream in list(self._streams.values()):
+            self._drop(stream)
+        self._release()
+
+    def _release(self) -> None:
+        self._budget.give_back(self._reserved - DEFAULT_WINDOW)
+        self._reserved = DEFAULT_WINDOW
+
+    def _reserve(self, target: int, reclaim: bool) -> int:
+        """Reserve from the budget until this connection holds ``target`` bytes of it (fewer
+        when the budget is spent; with ``reclaim``, after ending the largest unfinished
+        messages while that helps); returns the reservation."""
+        while self._reserved < target:
+            self._reserved += self._budget.grant(target - self._reserved)
+            if self._reserved >= target or not reclaim or not self._reclaim(self):
+                break
+        return self._reserved
+
+    def _held(self) -> int:
+        return max(self._recv_window, 0) + self._buffered + self._parked
+
+    def _settle(self) -> None:
+        """Return reserved bytes this connection no longer holds, keeping the default window
+        (a client sending small messages always progresses)."""
+        excess = self._reserved - max(self._held(), DEFAULT_WINDOW)
+        if excess > 0:
+            self._reserved -= excess
+            self._budget.give_back(excess)
 
     def drain(self) -> None:
         """Start a graceful close: GOAWAY now, a final GOAWAY once the client has seen it."""
@@ -378,14 +486,19 @@ class Http2Connection(asyncio.Protocol):
         try:
             self._process()
         except ProtocolFault as exc:
-            self._report(ERROR_NAMES.get(exc.code, str(exc.code)), str(exc))
-            self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
-                                   + exc.code.to_bytes(4, "big")))
-            self._close()
+            self._fail(exc)
             return
         finally:
             self._processing = False
+        self._settle()
         self._write()
+
+    def _fail(self, exc: ProtocolFault) -> None:
+        """A connection error: report it, GOAWAY and close."""
+        self._report(ERROR_NAMES.get(exc.code, str(exc.code)), str(exc))
+        self._out.append(frame(GOAWAY, 0, 0, self._last_stream.to_bytes(4, "big")
+                               + exc.code.to_bytes(4, "big")))
+        self._close()
 
     def _report(self, kind: str, reason: str) -> None:
         self._on_error(kind)
@@ -495,21 +608,43 @@ class Http2Connection(asyncio.Protocol):
         window = self._limits.stream_window
         inbox = stream.inbox
         need = 5 + int.from_bytes(inbox[1:5], "big") - len(inbox) if len(inbox) >= 5 else 0
+        if need != stream.need:
+            self._need += need - stream.need
+            stream.need = need
         grant = max(window, need) - stream.recv_window
         if grant > 0 and (grant >= window // 2 or stream.recv_window < need):
             self._out.append(frame(WINDOW_UPDATE, 0, stream.id, grant.to_bytes(4, "big")))
             stream.recv_window += grant
 
     def _refill_connection(self) -> None:
-        """Grant the connection window what the buffer cap leaves free; when partial messages
-        fill the cap so that none can complete, end the stream that holds the most."""
-        free = self._buffer_cap - self._buffered - self._recv_window
-        if free <= 0 and self._recv_window <= 0 and self._buffered:
+        """Refill the connection window to what the announced messages still lack plus the
+        default window, within the buffer cap and the server's budget (a window granted
+        ahead of need could sit idle, holding budget others need). When partial messages fill
+        the cap so that none can complete, end the stream that holds the most; when the budget
+        is spent so that the client can send nothing more, end the largest unfinished message
+        of any connection."""
+        if 2 * self._recv_window > DEFAULT_WINDOW + self._need:
+            return  # the usual case: more than half the target left, nothing to do
+        if (self._buffer_cap - self._buffered - self._recv_window <= 0
+                and self._recv_window <= 0 and self._buffered):
             largest = max((stream for stream in self._streams.values() if stream.inbox),
                           key=lambda stream: len(stream.inbox))
             self._finish(largest, GRPC_RESOURCE_EXHAUSTED, "connection buffer full")
-            free = self._buffer_cap - self._buffered - self._recv_window
-        if free >= self._buffer_cap // 4 or (free > 0 and self._recv_window <= 0):
+        target = min(self._buffer_cap - self._buffered, DEFAULT_WINDOW + self._need)
+        free = target - self._recv_window
+        if free > 0 and (2 * free >= target or self._recv_window <= 0):
+            held = self._held()
+            if self._reserved - held < free:
+                self._reserve(held + free, reclaim=False)
+                # Stuck (no window left) and nothing to grant: make room, one message at a time.
+                while (self._recv_window <= 0 and self._reserved <= self._held()
+                       and self._reclaim(self)):
+                    self._reserve(self._held() + free, reclaim=False)
+                free = min(min(self._buffer_cap - self._buffered,
+                               DEFAULT_WINDOW + self._need) - self._recv_window,
+                           self._reserved - self._held())
+                if free <= 0:
+                    return
             self._out.append(frame(WINDOW_UPDATE, 0, 0, free.to_bytes(4, "big")))
             self._recv_window += free
 
@@ -739,6 +874,9 @@ class Http2Connection(asyncio.Protocol):
             self._flush(stream)
             if self._parked > self._parked_cap:  # the client asks but does not take answers
                 raise ProtocolFault(ENHANCE_YOUR_CALM, "too many answers waiting for window")
+            held = self._held()
+            if held > self._reserved and self._reserve(held, reclaim=True) < self._held():
+                raise ProtocolFault(ENHANCE_YOUR_CALM, "server buffer budget spent")
             return
         self._send_window -= size
         stream.credit -= size
@@ -807,6 +945,8 @@ class Http2Connection(asyncio.Protocol):
         stream.finished = True
         self._buffered -= len(stream.inbox)
         stream.inbox.clear()
+        self._need -= stream.need
+        stream.need = 0
         stream.handler.on_close()
         block = TRAILERS_OK if status == GRPC_OK and not message else trailers(status, message)
         if not stream.headers_sent:
@@ -833,6 +973,8 @@ class Http2Connection(asyncio.Protocol):
         self._unpark(stream)
         self._buffered -= len(stream.inbox)
         stream.inbox.clear()
+        self._need -= stream.need
+        stream.need = 0
         self._parked -= len(stream.pending)
         stream.pending.clear()
         if not stream.finished:
@@ -882,6 +1024,25 @@ def _unpad(payload: bytes) -> bytes:
     return payload[1: len(payload) - pad]
 
 
+class _Refused(asyncio.Protocol):
+    """A connection past the server's limit: told to calm down and closed at once."""
+
+    def __init__(self, on_error: Callable[[str], None], warnings: RateLimitedLog) -> None:
+        self._on_error = on_error
+        self._warnings = warnings
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        kind = ERROR_NAMES[ENHANCE_YOUR_CALM]
+        self._on_error(kind)
+        self._warnings.warning("HTTP/2 connection error %s, closing: %s", kind,
+                               "too many connections")
+        assert isinstance(transport, asyncio.WriteTransport)
+        # The server preface is a SETTINGS frame; the GOAWAY then says why.
+        transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, (0).to_bytes(4, "big")
+                                                      + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
+        transport.close()
+
+
 class Http2Server:
     """Listens for HTTP/2 gRPC clients and serves ``handlers`` on their streams."""
 
@@ -894,8 +1055,16 @@ class Http2Server:
         self._limits = limits if limits is not None else Http2Limits()
         if self._limits.buffered_cap(max_message) < max_message + 5:
             raise ValueError("max_buffered must hold one message of max_message bytes")
+        # Every connection may hold the default window (a client may send that much before
+        # any WINDOW_UPDATE): that much per allowed connection is set aside, so that a new
+        # connection is never turned away for want of budget; the rest is shared.
+        floors = self._limits.max_connections * DEFAULT_WINDOW
+        if self._limits.max_total_buffered < floors + self._limits.buffered_cap(max_message):
+            raise ValueError("max_total_buffered must hold the default window of every allowed "
+                             "connection and one connection's buffer cap")
         self._on_error = on_error
         self._warnings = RateLimitedLog(log)  # shared: a flood of bad connections logs little
+        self.budget = BufferBudget(self._limits.max_total_buffered - floors)
         self._connections: set[Http2Connection] = set()
         self._server: asyncio.Server | None = None
         self._idle = asyncio.Event()  # set whenever no connection is open
@@ -914,13 +1083,51 @@ class Http2Server:
         """True while the listening socket accepts connections (started and not closed)."""
         return self._server is not None and self._server.is_serving()
 
-    def _connection(self) -> Http2Connection:
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._connections)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the open connections may hold in all (never more than max_total_buffered)."""
+        return self.budget.used + len(self._connections) * DEFAULT_WINDOW
+
+    def _connection(self) -> asyncio.Protocol:
+        if len(self._connections) >= self._limits.max_connections:
+            return _Refused(self._on_error, self._warnings)
         connection = Http2Connection(self._handlers, self._max_message, on_lost=self._lost,
                                      limits=self._limits, loop=asyncio.get_running_loop(),
-                                     on_error=self._on_error, warnings=self._warnings)
+                                     on_error=self._on_error, warnings=self._warnings,
+                                     budget=self.budget, reclaim=self._reclaim)
         self._connections.add(connection)
         self._idle.clear()
         return connection
+
+    def _reclaim(self, requester: Http2Connection) -> bool:
+        """The budget is spent and ``requester``'s client can send nothing more: free the most
+        that one step can. Either end the largest unfinished message across all connections (a
+        large one being trickled in, not the small ones of a well-behaved client), or, if more
+        is held that way, close the connection holding the most window it was granted for
+        messages it no longer sends (HTTP/2 cannot take window back). Scans the connections,
+        but runs only when a client could otherwise send nothing more."""
+        largest, size = None, 0
+        for connection in self._connections:
+            if connection.buffered_bytes > size:  # only then can it hold a larger message
+                partial = connection.largest_partial()
+                if partial > size:
+                    largest, size = connection, partial
+        idlest, idle = None, size
+        for connection in self._connections:
+            if connection is not requester and connection.idle_window > idle:
+                idlest, idle = connection, connection.idle_window
+        if idlest is not None:
+            idlest.calm_down()
+        elif largest is not None:
+            largest.end_largest_partial()
+        else:
+            return False
+        return True
 
     def _lost(self, connection: Http2Connection) -> None:
         self._connections.discard(connection)

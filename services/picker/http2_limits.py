@@ -1,8 +1,9 @@
-"""The built-in HTTP/2 server's resource limits, and the budget that enforces the rate ones.
+"""The built-in HTTP/2 server's resource limits, and the budgets that enforce them.
 
 :class:`Http2Limits` holds every bound (see :mod:`services.picker.http2` for what each protects
 against and where the defaults come from); :class:`TokenBucket` is a per-connection budget for
-frames that cost work without making progress.
+frames that cost work without making progress; :class:`BufferBudget` is the server-wide budget
+of bytes all connections may make the server hold.
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ MIB = 1024 * KIB
 
 
 class Http2Limits(msgspec.Struct, frozen=True):
-    """Bounds on what one client connection may make the server hold or do."""
+    """Bounds on what one client connection, and all of them together, may make the server
+    hold or do."""
+
+    # Connections open at once per server; one more is closed at once (GOAWAY
+    # ENHANCE_YOUR_CALM).
+    max_connections: int = 1024
+    # Bytes all connections together may make the server hold: receive windows granted,
+    # partial request messages and answers waiting for window. At least the default window
+    # (64 KiB) of every allowed connection, set aside for each, plus one connection's buffer
+    # cap (one message of the largest size always fits).
+    max_total_buffered: int = 256 * MIB
 
     # SETTINGS_MAX_CONCURRENT_STREAMS, advertised and enforced (REFUSED_STREAM past it).
     max_concurrent_streams: int = 1000
@@ -86,3 +97,30 @@ class TokenBucket:
                 return False
         self._tokens -= 1.0
         return True
+
+
+class BufferBudget:
+    """Bytes the connections of one server may reserve, ``limit`` in all: a connection reserves
+    what it may be made to hold (the receive window it granted, its partial messages, its
+    answers waiting for window) before granting or parking, so the total held stays within."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    @property
+    def free(self) -> int:
+        """Bytes no connection has reserved."""
+        return self.limit - self.used
+
+    def grant(self, amount: int) -> int:
+        """Reserve up to ``amount`` bytes; returns how many were reserved (0 when spent)."""
+        granted = max(0, min(amount, self.limit - self.used))
+        self.used += granted
+        return granted
+
+    def give_back(self, amount: int) -> None:
+        """Return ``amount`` reserved bytes."""
+        self.used -= amount

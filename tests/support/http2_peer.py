@@ -1,24 +1,31 @@
 """An HTTP/2 client driven by hand against :class:`Http2Connection` in-process: a fake
-transport (no network), a handler that echoes, and frame parsing. Used by the HTTP/2 server's
-unit tests, its fuzz suite and its attack benchmark."""
+transport (no network), a handler that echoes, and frame parsing; and :class:`RawClient`, one
+that follows the server's windows over loopback. Used by the HTTP/2 server's unit tests, its
+fuzz suite and its attack benchmark."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 import hpack
 
 from services.picker.http2 import (
     ACK,
+    DATA,
+    DEFAULT_WINDOW,
     END_HEADERS,
+    END_STREAM,
     HEADERS,
+    INITIAL_WINDOW_SIZE,
     PREFACE,
     SETTINGS,
+    WINDOW_UPDATE,
     Http2Connection,
     frame,
 )
-from services.picker.http2_limits import Http2Limits
+from services.picker.http2_limits import MIB, BufferBudget, Http2Limits
 
 PATH = b"/test.Echo/Chat"
 
@@ -104,19 +111,28 @@ class Peer:
 
     def __init__(self, end_after: int | None = None, max_message: int = 1000,
                  limits: Http2Limits | None = None,
-                 handler: Callable[[list[str]], Echo] | None = None) -> None:
+                 handler: Callable[[list[str]], Echo] | None = None,
+                 budget: BufferBudget | None = None) -> None:
+        """``budget``: a server-wide budget this connection alone draws on (it reclaims from
+        its own partial messages)."""
         self.log: list[str] = []
         self.lost = False
         make = handler or (lambda log: Echo(log, end_after))
         self.connection = Http2Connection({PATH: lambda: make(self.log)}, max_message,
                                           on_lost=lambda _: setattr(self, "lost", True),
-                                          limits=limits)
+                                          limits=limits, budget=budget, reclaim=self._reclaim)
         self.transport = FakeTransport()
         self.transport.protocol = self.connection
         self.connection.connection_made(self.transport)  # type: ignore[arg-type]
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.server_greeting = self.read()
+
+    def _reclaim(self, connection: Http2Connection) -> bool:
+        if not self.connection.largest_partial():
+            return False
+        self.connection.end_largest_partial()
+        return True
 
     def send(self, *frames: bytes) -> None:
         self.connection.data_received(b"".join(frames))
@@ -140,3 +156,125 @@ class Peer:
 
     def header_fields(self, block: bytes) -> dict[str, str]:
         return {name: value for name, value in self.decoder.decode(block)}
+
+
+class RawClient:
+    """One HTTP/2 client connection on loopback that sends only what its windows allow."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.window = DEFAULT_WINDOW  # connection send window
+        self.stream_windows: dict[int, int] = {}
+        self.frames: list[tuple[int, int, int, bytes]] = []
+        self._unparsed = bytearray()
+        self.eof = False
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        # Like Envoy: large receive windows, so that answers never wait for them.
+        client.writer.write(PREFACE + frame(SETTINGS, 0, 0, INITIAL_WINDOW_SIZE.to_bytes(2, "big")
+                                            + (16 * MIB).to_bytes(4, "big"))
+                            + frame(WINDOW_UPDATE, 0, 0, (16 * MIB).to_bytes(4, "big")))
+        await client.writer.drain()
+        await client.pump(0.05)
+        return client
+
+    async def pump(self, quiet: float) -> None:
+        """Read what the server sent until it has been quiet for ``quiet`` seconds."""
+        while not self.eof:
+            try:
+                data = await asyncio.wait_for(self.reader.read(1 << 20), quiet)
+            except TimeoutError:
+                return
+            if not data:
+                self.eof = True
+                return
+            self._unparsed += data
+            usable = 0
+            while len(self._unparsed) - usable >= 9:
+                length = int.from_bytes(self._unparsed[usable: usable + 3], "big")
+                if len(self._unparsed) - usable < 9 + length:
+                    break
+                usable += 9 + length
+            for kind, flags, stream_id, payload in parse(bytes(self._unparsed[:usable])):
+                self.frames.append((kind, flags, stream_id, payload))
+                if kind == WINDOW_UPDATE:
+                    increment = int.from_bytes(payload, "big")
+                    if stream_id == 0:
+                        self.window += increment
+                    elif stream_id in self.stream_windows:
+                        self.stream_windows[stream_id] += increment
+            del self._unparsed[:usable]
+
+    def open(self, stream_id: int) -> None:
+        block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                                     (":authority", "picker"), ("te", "trailers"),
+                                     ("content-type", "application/grpc")])
+        self.writer.write(frame(HEADERS, END_HEADERS, stream_id, block))
+        self.stream_windows[stream_id] = 1 * MIB  # the server's advertised initial window
+
+    def send(self, stream_id: int, data: bytes, end: bool = False) -> int:
+        """Send as much of ``data`` as the windows allow; returns how much went."""
+        allowed = min(len(data), self.window, self.stream_windows[stream_id])
+        sent = 0
+        while sent < allowed:
+            chunk = min(allowed - sent, 1 * MIB)
+            last = end and sent + chunk == len(data)
+            self.writer.write(frame(DATA, END_STREAM if last else 0, stream_id,
+                                    data[sent: sent + chunk]))
+            sent += chunk
+        self.window -= sent
+        self.stream_windows[stream_id] -= sent
+        return sent
+
+    def status(self, stream_id: int) -> str | None:
+        """The grpc-status of a call that ended (None: not ended)."""
+        for kind, flags, sid, payload in self.frames:
+            if kind == HEADERS and sid == stream_id and flags & END_STREAM:
+                fields = dict(self.decoder.decode(payload))
+                return fields.get("grpc-status")
+        return None
+
+    def answers(self, stream_id: int) -> bytes:
+        return b"".join(payload for kind, _, sid, payload in self.frames
+                        if kind == DATA and sid == stream_id)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def trickle(clients: Sequence[RawClient], size: int, seconds: float, rounds: int = 200,
+                  after_round: Callable[[], None] = lambda: None) -> list[int]:
+    """Each client opens stream 1 with a message announcing ``size`` bytes and sends all of it
+    but the last byte, 1 MiB at a time, as fast as the server's windows allow, never the end:
+    until no client has sent more for 5 rounds, the server ended their calls, or ``rounds``
+    or ``seconds`` ran out; ``after_round`` is called after each round. Returns the bytes each
+    client sent."""
+    total = 5 + size - 1
+    sent = [0] * len(clients)
+    for client in clients:
+        client.open(1)
+    deadline = time.monotonic() + seconds
+    still = 0  # rounds in a row without progress (a window update may be in flight)
+    for _ in range(rounds):
+        progress = 0
+        for index, client in enumerate(clients):
+            await client.pump(0.005)
+            if client.eof or client.status(1) is not None or sent[index] == total:
+                continue
+            piece = min(MIB, total - sent[index])
+            data = (b"\x00" + size.to_bytes(4, "big") + b"p" * (piece - 5) if not sent[index]
+                    else b"p" * piece)
+            went = client.send(1, data)
+            sent[index] += went
+            progress += went
+            await client.writer.drain()
+        await asyncio.sleep(0.01)
+        after_round()
+        still = 0 if progress else still + 1
+        if still == 5 or time.monotonic() > deadline:
+            break
+    return sent
