@@ -6,11 +6,8 @@ example lists 8000-8001 and 8010-8011)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lig.status import PICKER_REQUESTS_FAMILY
 from lig.topology import EXAMPLE_CONFIG, StackInfo, free_ports
-from tests.support.ports import free_port
+from tests.support.lig_up import REPO, lig_up
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -43,26 +40,11 @@ def _example_on_free_ports(folder: Path) -> Path:
 def test_lig_up_serves_both_pools_at_one_address(tmp_path: Path) -> None:
     config = _example_on_free_ports(tmp_path / "two-pools")
     state = tmp_path / "state"
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "lig.cli", "up", "--config", str(config), "--free-ports",
-         "--port", str(port), "--state-dir", str(state)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=Path(__file__).parents[1], start_new_session=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 60
-        assert process.stdout is not None
-        for line in process.stdout:  # ends when lig up exits
-            lines.append(line.rstrip("\n"))
-            if line.startswith("lig up: ready") or time.monotonic() > deadline:
-                break
-        output = "\n".join(lines)
-        assert lines and lines[-1].startswith("lig up: ready"), output
+    with lig_up(state, "--config", str(config), ready_within=60) as stack:
+        output = stack.output()
         # the summary names both simulated pools
         assert "sim-llama-8b" in output and "sim-qwen-32b" in output
-        gateway = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=gateway, timeout=10) as client:
+        with httpx.Client(base_url=stack.gateway, timeout=10) as client:
             for model in MODELS:
                 for _ in range(5):
                     response = client.post("/v1/completions", json={
@@ -84,7 +66,7 @@ def test_lig_up_serves_both_pools_at_one_address(tmp_path: Path) -> None:
                         assert pod.startswith(POD_PREFIX[MODELS[model]]), sample
         status = subprocess.run(
             [sys.executable, "-m", "lig.cli", "status", "--state-dir", str(state), "--json"],
-            capture_output=True, text=True, timeout=30, cwd=Path(__file__).parents[1])
+            capture_output=True, text=True, timeout=30, cwd=REPO)
         report = json.loads(status.stdout)
         assert {(row["pool"], row["pod"]) for row in report["pods"]} == {
             ("llama-8b", "llama-0"), ("llama-8b", "llama-1"),
@@ -92,11 +74,3 @@ def test_lig_up_serves_both_pools_at_one_address(tmp_path: Path) -> None:
         assert {(row["pool"], row["fresh"], tuple(row["models"])) for row in report["pools"]} == {
             ("llama-8b", 2, ("meta-llama/Llama-3.1-8B-Instruct", "sql-lora")),
             ("qwen-32b", 2, ("Qwen/Qwen2.5-32B-Instruct", "qwen-poet"))}
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
