@@ -9,10 +9,6 @@ longer than the response timeout (``lig up --response-timeout``).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -25,14 +21,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lig.status import PICKER_REQUESTS_FAMILY
-from lig.topology import StackInfo
 from services.picker.gray_pods import BASE_COOL_OFF, GrayPods
 from services.picker.scheduling.types import PodView
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
+from tests.support.lig_up import RunningStack, lig_up
 from tests.support.nats_server import NatsServer
 from tests.support.picker import PickerProcess
-from tests.support.ports import free_port
 from tests.support.simulator import SimulatedPods
 from tests.support.waiting import wait_until
 
@@ -136,91 +131,48 @@ def test_envoy_outlier_detection_does_not_steer_original_dst(
         feed.stop()
 
 
-class Stack:
-    """A ``lig up`` process on free ports."""
+def routed_by_pod(stack: RunningStack) -> Counter[str]:
+    """Requests both pickers routed, by pod."""
+    counts: Counter[str] = Counter()
+    for url in stack.info.picker_metrics:
+        page = httpx.get(url, timeout=5).text
+        for family in text_string_to_metric_families(page):
+            if family.name != PICKER_REQUESTS_FAMILY:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels["outcome"] == "routed":
+                    counts[sample.labels["pod"]] += int(sample.value)
+    return counts
 
-    def __init__(self, state_dir: Path, gray_mode: str, response_timeout: float) -> None:
-        self.port = free_port()
-        self.state_dir = state_dir
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "lig.cli", "up", "--free-ports", "--port", str(self.port),
-             "--state-dir", str(state_dir), "--response-timeout", str(response_timeout),
-             "--sim-args", f"--gray-pod 0 --gray-mode {gray_mode} --time-scale 20"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=Path(__file__).parents[1], start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("lig up: ready"):
-                self.ready.set()
-
-    def wait_ready(self, within: float = 50) -> None:
-        deadline = time.monotonic() + within
-        while not self.ready.wait(0.2):
-            assert self.process.poll() is None, "\n".join(self.lines)
-            assert time.monotonic() < deadline, "\n".join(self.lines)
-
-    def routed_by_pod(self) -> Counter[str]:
-        """Requests both pickers routed, by pod."""
-        counts: Counter[str] = Counter()
-        info = StackInfo.read(self.state_dir)
-        assert info is not None
-        for url in info.picker_metrics:
-            page = httpx.get(url, timeout=5).text
-            for family in text_string_to_metric_families(page):
-                if family.name != PICKER_REQUESTS_FAMILY:
-                    continue
-                for sample in family.samples:
-                    if sample.name.endswith("_total") and sample.labels["outcome"] == "routed":
-                        counts[sample.labels["pod"]] += int(sample.value)
-        return counts
-
-    def exclusions(self) -> set[str]:
-        """Pods some picker counted as gray (lig_picker_gray_exclusions_total)."""
-        info = StackInfo.read(self.state_dir)
-        assert info is not None
-        pods = set()
-        for url in info.picker_metrics:
-            for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
-                if family.name == "lig_picker_gray_exclusions":
-                    pods |= {s.labels["pod"] for s in family.samples
-                             if s.name.endswith("_total") and s.value > 0}
-        return pods
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+def exclusions(stack: RunningStack) -> set[str]:
+    """Pods some picker counted as gray (lig_picker_gray_exclusions_total)."""
+    pods = set()
+    for url in stack.info.picker_metrics:
+        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
+            if family.name == "lig_picker_gray_exclusions":
+                pods |= {s.labels["pod"] for s in family.samples
+                         if s.name.endswith("_total") and s.value > 0}
+    return pods
 
 
 @pytest.fixture(params=["hang", "error"])
-def gray_stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tmp_path / "state", request.param, response_timeout=3.0)
-    try:
-        stack.wait_ready()
+def gray_stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunningStack]:
+    """``lig up`` on free ports with pod 0 gray."""
+    with lig_up(tmp_path / "state", "--response-timeout", "3.0", "--sim-args",
+                f"--gray-pod 0 --gray-mode {request.param} --time-scale 20") as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.mark.timeout(120)
-def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: Stack) -> None:
+def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: RunningStack) -> None:
     warm_up, duration, clients, max_requests = 5.0, 15.0, 6, 6_000
     results: list[tuple[int, float, str]] = []
     stop = threading.Event()
     body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": "hi", "max_tokens": 4}
 
     def client() -> None:
-        with httpx.Client(base_url=f"http://127.0.0.1:{gray_stack.port}", timeout=15) as http:
+        with httpx.Client(base_url=gray_stack.gateway, timeout=15) as http:
             while not stop.is_set() and len(results) < max_requests:
                 started = time.monotonic()
                 try:
@@ -236,9 +188,9 @@ def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: Stack) -> None:
         thread.start()
     try:
         time.sleep(warm_up)
-        before = gray_stack.routed_by_pod()
+        before = routed_by_pod(gray_stack)
         time.sleep(duration - warm_up)
-        after = gray_stack.routed_by_pod()
+        after = routed_by_pod(gray_stack)
     finally:
         stop.set()
         for thread in threads:
@@ -251,7 +203,7 @@ def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: Stack) -> None:
           f"errors {Counter(code for _, _, code in results if code)}")
     assert total > 200, routed
     assert routed["vllm-0"] / total < 0.02, routed
-    assert gray_stack.exclusions() == {"vllm-0"}  # and the pickers say so
+    assert exclusions(gray_stack) == {"vllm-0"}  # and the pickers say so
     # Nothing hangs past the response timeout (3 s); the gray pod's few answers are errors.
     assert max(elapsed for _, elapsed, _ in results) < 3.0 + 1.5
     assert {(status, code) for status, _, code in results} <= {
