@@ -9,12 +9,11 @@ import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 from nats.aio.client import Client
 
@@ -103,13 +102,6 @@ class Registry:
                 self.process.kill()
                 self.process.wait()
         return time.monotonic() - start
-
-
-@pytest.fixture
-async def nc(nats_server) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_server.url)
-    yield client
-    await client.close()
 
 
 @pytest.fixture

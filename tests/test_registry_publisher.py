@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import nats
 import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
@@ -35,13 +32,6 @@ async def bucket_contents(nc: Client) -> dict[str, tuple[bytes, int]]:
     """Live keys of the bucket with their value and revision."""
     entries = await read_bucket(nc.jetstream(), BUCKET)
     return {key: (entry.value or b"", entry.revision or 0) for key, entry in entries.items()}
-
-
-@pytest.fixture
-async def nc(nats_server) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_server.url)
-    yield client
-    await client.close()
 
 
 def test_plan_orders_puts_pools_first_and_deletes_models_first() -> None:

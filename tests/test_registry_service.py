@@ -109,13 +109,6 @@ async def serving(inputs: Path, nats_url: str, **options: float | bool) -> Async
 
 
 @pytest.fixture
-async def nc(nats_server) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_server.url)
-    yield client
-    await client.close()
-
-
-@pytest.fixture
 def inputs(tmp_path: Path) -> Path:
     path = tmp_path / "registry.yaml"
     path.write_text(dump(pool(), model(), model("model-b")))

@@ -7,10 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats
 import pytest
+from nats.aio.client import Client
 
 from tests.support.ports import free_port, wait_for_port
 from tests.support.processes import die_with_parent
@@ -120,3 +122,11 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer | DockerNats]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer | DockerNats) -> AsyncIterator[Client]:
+    """A client connected to ``nats_server``, closed after the test."""
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
