@@ -23,11 +23,10 @@ import msgspec
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.picker.envoy_config import PickerEndpoint
 from services.picker.ext_proc import BUFFERED, STREAMED
 from tests.support.envoy import EnvoyProcess
+from tests.support.picker import serve_fake_picker
 from tests.support.ports import free_port
 from tests.support.upstream import UpstreamServer
 from tests.support.waiting import wait_until
@@ -235,17 +234,9 @@ class _DyingRewritePicker(external_processor_pb2_grpc.ExternalProcessorServicer)
 async def test_a_rewrite_that_cannot_finish_fails_closed_for_json_and_open_for_events(
         envoy_gateway: Callable[..., EnvoyProcess]) -> None:
     upstream = UpstreamServer("pod-0", free_port()).start()
-    server = grpc.aio.server()
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-        _DyingRewritePicker(upstream.address), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
-                              health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, endpoint = await serve_fake_picker(_DyingRewritePicker(upstream.address))
     try:
-        envoy = await asyncio.to_thread(envoy_gateway, [PickerEndpoint("127.0.0.1", port, port)])
+        envoy = await asyncio.to_thread(envoy_gateway, [endpoint])
         async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as client:
             answer = await client.post("/v1/completions", json={"model": "chat"})
             assert answer.status_code == 500, answer.text

@@ -22,15 +22,14 @@ import msgspec
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lig.probes import grpc_serving
-from services.picker.envoy_config import PickerEndpoint, PickerTls, envoy_config, ext_proc_filter
+from services.picker.envoy_config import PickerTls, envoy_config, ext_proc_filter
 from tests.support.certs import make_certificates
 from tests.support.envoy import EnvoyProcess, start_envoy
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
-from tests.support.picker import PickerProcess
+from tests.support.picker import PickerProcess, serve_fake_picker
 from tests.support.ports import free_port
 from tests.support.registry_burst import publish_models
 from tests.support.upstream import UpstreamServer
@@ -395,16 +394,9 @@ class _HungPicker(external_processor_pb2_grpc.ExternalProcessorServicer):
 
 async def test_a_picker_that_does_not_answer_in_time_gets_503(
         envoy_gateway: Callable[..., EnvoyProcess]) -> None:
-    server = grpc.aio.server()
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(_HungPicker(), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
-                              health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, endpoint = await serve_fake_picker(_HungPicker())
     try:
-        envoy = await asyncio.to_thread(envoy_gateway, [PickerEndpoint("127.0.0.1", port, port)])
+        envoy = await asyncio.to_thread(envoy_gateway, [endpoint])
         async with httpx.AsyncClient(base_url=envoy.url, timeout=10) as client:
             started = time.monotonic()
             response = await client.post("/v1/completions", json={"model": "plain"})

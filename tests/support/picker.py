@@ -17,7 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.picker.envoy_config import PickerEndpoint
 from tests.support.ports import free_port
@@ -130,3 +131,19 @@ def picker_process(tmp_path: Path) -> Iterator[Callable[..., PickerProcess]]:
     finally:
         for picker in started:
             picker.stop()
+
+
+async def serve_fake_picker(
+        servicer: external_processor_pb2_grpc.ExternalProcessorServicer,
+) -> tuple[grpc.aio.Server, PickerEndpoint]:
+    """An in-test ext_proc ``servicer`` on a free loopback port, its health check SERVING (gRPC
+    and health on one port); stop it with ``await server.stop(0)``."""
+    server = grpc.aio.server()
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
+                              health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, PickerEndpoint("127.0.0.1", port, port)
