@@ -315,7 +315,8 @@ def _convert(parsed: Sequence[_Parsed]) -> Registry:
         if isinstance(obj, crd.PoolObject):
             pools.append(_pool(obj))
             if obj.spec.endpoints is not None:
-                endpoint_sets.append(_endpoint_set(obj))
+                endpoint_sets.append(endpoint_set(obj.metadata.name, obj.spec.endpoints,
+                                                  obj.spec.target_port_number))
         else:
             models.append(_model(obj))
     return Registry(tuple(pools), tuple(models), tuple(endpoint_sets))
@@ -335,14 +336,12 @@ def _pool(obj: crd.PoolObject) -> InferencePool:
     )
 
 
-def _endpoint_set(obj: crd.PoolObject) -> EndpointSet:
-    port = obj.spec.target_port_number
+def endpoint_set(pool: str, specs: Iterable[crd.EndpointSpec], port: int) -> EndpointSet:
+    """``pool``'s listed endpoints; one without its own port gets the pool's ``port``."""
     return EndpointSet(
-        pool=obj.metadata.name,
-        endpoints=tuple(
-            Endpoint(e.name, e.address, e.port or port, dict(e.labels))
-            for e in obj.spec.endpoints or ()
-        ),
+        pool=pool,
+        endpoints=tuple(Endpoint(e.name, e.address, e.port or port, dict(e.labels))
+                        for e in specs),
     )
 
 
