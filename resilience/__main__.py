@@ -41,35 +41,53 @@ def _csv(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+_ATTACK_FLAGS = {
+    "duration": "seconds each HTTP/2 scenario lasts",
+    "rate": "requests/s through Envoy during the HTTP/2 scenarios",
+    "streams": "streams the flood opens on each picker",
+    "settings_frames": "SETTINGS frames the flood sends once its streams are open",
+    "amplification_frames": "one-byte HEADERS frames of the amplification",
+    "amplification_seconds": "seconds the amplification's connection is held (memory watched)",
+    "header_frames": "1 MiB HEADERS frames of HPACK table-size updates (buffering)",
+    "partial_streams": "streams each sending 8 MiB of a never-completed message (buffering)",
+    "control_frames": "frames of each control-frame flood",
+    "slow_connections": "silent and half-preface connections (each)",
+}
+_CHAOS_FLAGS = {
+    "rate": "requests/s through Envoy during each fault",
+    "before": "seconds of load before each fault",
+    "outage": "seconds a killed service stays down before it is started again",
+    "pod_stop": "seconds a pod stays stopped (SIGSTOP)",
+    "settle": "seconds of load after each recovery",
+    "gray_seconds": "seconds of load with pod 0 gray",
+    "gray_warmup": "seconds before the gray pod's share is counted",
+    "request_timeout": "seconds a client waits for an answer before counting it lost",
+    "response_timeout": "the stack's lig up --response-timeout: seconds Envoy waits for a "
+                        "silent pod (the gray pod's held requests) before its 504",
+}
+
+
+def _settings_flags(parser: argparse.ArgumentParser, defaults: object,
+                    helps: dict[str, str]) -> None:
+    """A ``--field-name`` flag per settings field in ``helps``, typed and defaulted by
+    ``defaults``."""
+    for field, text in helps.items():
+        default = getattr(defaults, field)
+        parser.add_argument("--" + field.replace("_", "-"), type=type(default), default=default,
+                            help=text)
+
+
+def _settings_values(args: argparse.Namespace, helps: dict[str, str]) -> dict[str, object]:
+    return {field: getattr(args, field) for field in helps}
+
+
 def configure_attack(parser: argparse.ArgumentParser) -> None:
     """Flags of ``attack``."""
     defaults = attack.AttackSettings()
     parser.add_argument("--only", type=_csv(attack.SCENARIOS), default=attack.SCENARIOS,
                         metavar="LIST", help="comma-separated scenarios to run: "
                         f"{', '.join(attack.SCENARIOS)} (default: all)")
-    parser.add_argument("--duration", type=float, default=defaults.duration,
-                        help="seconds each HTTP/2 scenario lasts")
-    parser.add_argument("--rate", type=float, default=defaults.rate,
-                        help="requests/s through Envoy during the HTTP/2 scenarios")
-    parser.add_argument("--streams", type=int, default=defaults.streams,
-                        help="streams the flood opens on each picker")
-    parser.add_argument("--settings-frames", type=int, default=defaults.settings_frames,
-                        help="SETTINGS frames the flood sends once its streams are open")
-    parser.add_argument("--amplification-frames", type=int,
-                        default=defaults.amplification_frames,
-                        help="one-byte HEADERS frames of the amplification")
-    parser.add_argument("--amplification-seconds", type=float,
-                        default=defaults.amplification_seconds,
-                        help="seconds the amplification's connection is held (memory watched)")
-    parser.add_argument("--header-frames", type=int, default=defaults.header_frames,
-                        help="1 MiB HEADERS frames of HPACK table-size updates (buffering)")
-    parser.add_argument("--partial-streams", type=int, default=defaults.partial_streams,
-                        help="streams each sending 8 MiB of a never-completed message "
-                             "(buffering)")
-    parser.add_argument("--control-frames", type=int, default=defaults.control_frames,
-                        help="frames of each control-frame flood")
-    parser.add_argument("--slow-connections", type=int, default=defaults.slow_connections,
-                        help="silent and half-preface connections (each)")
+    _settings_flags(parser, defaults, _ATTACK_FLAGS)
     parser.add_argument("--slow-hold", type=float, default=defaults.slow_hold, metavar="SECONDS",
                         help="seconds each slow connection is held before counting those the "
                         "picker closed (must exceed its preface timeout)")
@@ -84,29 +102,10 @@ def configure_attack(parser: argparse.ArgumentParser) -> None:
 
 def configure_chaos(parser: argparse.ArgumentParser) -> None:
     """Flags of ``chaos`` (it always starts its own stack: it kills its services)."""
-    defaults = chaos.ChaosSettings()
     parser.add_argument("--faults", type=_csv(chaos.FAULTS), default=chaos.FAULTS,
                         metavar="LIST", help=f"comma-separated faults: {', '.join(chaos.FAULTS)}"
                         " (default: all)")
-    parser.add_argument("--rate", type=float, default=defaults.rate,
-                        help="requests/s through Envoy during each fault")
-    parser.add_argument("--before", type=float, default=defaults.before,
-                        help="seconds of load before each fault")
-    parser.add_argument("--outage", type=float, default=defaults.outage,
-                        help="seconds a killed service stays down before it is started again")
-    parser.add_argument("--pod-stop", type=float, default=defaults.pod_stop,
-                        help="seconds a pod stays stopped (SIGSTOP)")
-    parser.add_argument("--settle", type=float, default=defaults.settle,
-                        help="seconds of load after each recovery")
-    parser.add_argument("--gray-seconds", type=float, default=defaults.gray_seconds,
-                        help="seconds of load with pod 0 gray")
-    parser.add_argument("--gray-warmup", type=float, default=defaults.gray_warmup,
-                        help="seconds before the gray pod's share is counted")
-    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
-                        help="seconds a client waits for an answer before counting it lost")
-    parser.add_argument("--response-timeout", type=float, default=defaults.response_timeout,
-                        help="the stack's lig up --response-timeout: seconds Envoy waits for a "
-                             "silent pod (the gray pod's held requests) before its 504")
+    _settings_flags(parser, chaos.ChaosSettings(), _CHAOS_FLAGS)
     _stack_flags(parser)
 
 
@@ -116,13 +115,8 @@ def _print(figures: list[Figure]) -> int:
 
 
 async def _attack(args: argparse.Namespace) -> int:
-    settings = attack.AttackSettings(
-        scenarios=args.only, duration=args.duration, rate=args.rate, streams=args.streams,
-        settings_frames=args.settings_frames, amplification_frames=args.amplification_frames,
-        amplification_seconds=args.amplification_seconds, header_frames=args.header_frames,
-        partial_streams=args.partial_streams,
-        control_frames=args.control_frames, slow_connections=args.slow_connections,
-        slow_hold=args.slow_hold)
+    settings = attack.AttackSettings(scenarios=args.only, slow_hold=args.slow_hold,
+                                     **_settings_values(args, _ATTACK_FLAGS))
     if args.gateway is not None:
         target = attach(args.gateway, args.picker, [])
         return _print(await attack.run_attacks(lambda: target, settings))
@@ -142,11 +136,8 @@ async def _attack(args: argparse.Namespace) -> int:
 
 
 async def _chaos(args: argparse.Namespace) -> int:
-    settings = chaos.ChaosSettings(
-        faults=args.faults, rate=args.rate, before=args.before, outage=args.outage,
-        pod_stop=args.pod_stop, settle=args.settle, gray_seconds=args.gray_seconds,
-        gray_warmup=args.gray_warmup, request_timeout=args.request_timeout,
-        response_timeout=args.response_timeout, ready_timeout=args.ready_timeout)
+    settings = chaos.ChaosSettings(faults=args.faults, ready_timeout=args.ready_timeout,
+                                   **_settings_values(args, _CHAOS_FLAGS))
     async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
                          response_timeout=settings.response_timeout) as stack:
         return _print(await chaos.run_chaos(stack, settings))

@@ -190,11 +190,14 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
     problems: list[Problem] = []
     names: set[str] = set()
     hostports: set[tuple[str, int]] = set()
+    usable: list[int] = []  # endpoints whose address is then checked against allowedNetworks
     for i, endpoint in enumerate(pool.spec.endpoints or ()):
         at = f"spec.endpoints[{i}]"
         unusable = unusable_address(endpoint.address)
         if unusable:
             problems.append(document.problem(unusable, f"{at}.address"))
+        else:
+            usable.append(i)
         if endpoint.name in names:
             problems.append(document.problem(f"duplicate endpoint name {endpoint.name!r}",
                                              f"{at}.name"))
@@ -204,7 +207,7 @@ def _check_pool(document: Document, pool: crd.PoolObject) -> list[Problem]:
                 f"duplicate endpoint address {hostport[0]}:{hostport[1]}", f"{at}.address"))
         names.add(endpoint.name)
         hostports.add(hostport)
-    problems += _check_networks(document, pool)
+    problems += _check_networks(document, pool, usable)
     scheduling = pool.spec.scheduling
     try:
         build_policy(PolicyConfig(scheduling.policy, scheduling.params), random.Random())
@@ -239,16 +242,17 @@ def unusable_address(address: str) -> str | None:
     return f"{address!r} is {why}; give the pod's own IP address"
 
 
-def _check_networks(document: Document, pool: crd.PoolObject) -> list[Problem]:
-    """Every endpoint inside the pool's allowed networks (:mod:`.networks`)."""
+def _check_networks(document: Document, pool: crd.PoolObject, usable: list[int]) -> list[Problem]:
+    """Every endpoint of ``usable`` (indices of usable addresses) inside the pool's allowed
+    networks (:mod:`.networks`)."""
     listed = pool.spec.allowed_networks
     networks, bad = networks_module.parse_networks(
         listed if listed is not None else networks_module.DEFAULT_ALLOWED_NETWORKS)
     problems = [document.problem(message, f"spec.allowedNetworks[{i}]") for i, message in bad]
-    for i, endpoint in enumerate(pool.spec.endpoints or ()):
-        if unusable_address(endpoint.address) is not None:
-            continue  # already reported by _check_pool
-        reason = networks_module.refusal(endpoint.address, networks, explicit=listed is not None)
+    endpoints = pool.spec.endpoints or ()
+    for i in usable:
+        reason = networks_module.refusal(endpoints[i].address, networks,
+                                         explicit=listed is not None)
         if reason is not None:
             problems.append(document.problem(reason, f"spec.endpoints[{i}].address"))
     return problems
@@ -315,7 +319,8 @@ def _convert(parsed: Sequence[_Parsed]) -> Registry:
         if isinstance(obj, crd.PoolObject):
             pools.append(_pool(obj))
             if obj.spec.endpoints is not None:
-                endpoint_sets.append(_endpoint_set(obj))
+                endpoint_sets.append(endpoint_set(obj.metadata.name, obj.spec.endpoints,
+                                                  obj.spec.target_port_number))
         else:
             models.append(_model(obj))
     return Registry(tuple(pools), tuple(models), tuple(endpoint_sets))
@@ -335,14 +340,12 @@ def _pool(obj: crd.PoolObject) -> InferencePool:
     )
 
 
-def _endpoint_set(obj: crd.PoolObject) -> EndpointSet:
-    port = obj.spec.target_port_number
+def endpoint_set(pool: str, specs: Iterable[crd.EndpointSpec], port: int) -> EndpointSet:
+    """``pool``'s listed endpoints; one without its own port gets the pool's ``port``."""
     return EndpointSet(
-        pool=obj.metadata.name,
-        endpoints=tuple(
-            Endpoint(e.name, e.address, e.port or port, dict(e.labels))
-            for e in obj.spec.endpoints or ()
-        ),
+        pool=pool,
+        endpoints=tuple(Endpoint(e.name, e.address, e.port or port, dict(e.labels))
+                        for e in specs),
     )
 
 

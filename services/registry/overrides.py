@@ -18,8 +18,7 @@ import msgspec
 import yaml
 
 from services.registry import crd
-from services.registry.loader import Registry, unusable_address
-from shared.schemas import Endpoint, EndpointSet
+from services.registry.loader import Registry, endpoint_set, unusable_address
 
 
 class EndpointsOverride(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,8 +54,6 @@ def apply_override(registry: Registry, override: EndpointsOverride) -> tuple[Reg
     pool = next((p for p in registry.pools if p.name == override.pool), None)
     if pool is None:
         return registry, False
-    endpoints = EndpointSet(override.pool, tuple(
-        Endpoint(e.name, e.address, e.port or pool.target_port, dict(e.labels))
-        for e in override.endpoints))
+    endpoints = endpoint_set(override.pool, override.endpoints, pool.target_port)
     others = tuple(s for s in registry.endpoint_sets if s.pool != override.pool)
     return msgspec.structs.replace(registry, endpoint_sets=(endpoints, *others)), True
