@@ -290,7 +290,6 @@ class Exchange:
                 and config.request_body_mode == STREAMED)
         if message.HasField("metadata_context"):
             self._subset = epp.subset_hint(message.metadata_context)
-        self._objective = epp.objective(message.request_headers)
         if self._request_mode == NONE:
             requested = _header(message.request_headers, REWRITE_HEADER)
             if requested is not None:  # the response-rewrite filter's stream
@@ -301,6 +300,8 @@ class Exchange:
             return (self._answer_headers_with(self._p.route(
                 None, self._subset, method=_text(_header(headers, ":method")),
                 path=_text(_header(headers, ":path")))),)
+        # Only a request with a body is scheduled, so only it needs the objective header.
+        self._objective = epp.objective(message.request_headers)
         if self._hold_headers:
             return ()
         self._reports_status = self._p.gateway.wants_outcome()

@@ -45,16 +45,13 @@ class UnreportedLoad:
         if self.enabled:
             self._counts[pod] = self._counts.get(pod, 0) + 1
 
-    def moved(self, routed: str, served: str) -> None:
-        """A request counted for ``routed`` was served by ``served`` (a gateway fallback)."""
-        if not self.enabled:
-            return
-        count = self._counts.get(routed, 0) - 1
+    def unrouted(self, pod: str) -> None:
+        """A request counted for ``pod`` went elsewhere after all (a gateway fallback)."""
+        count = self._counts.get(pod, 0) - 1
         if count > 0:
-            self._counts[routed] = count
+            self._counts[pod] = count
         else:
-            self._counts.pop(routed, None)
-        self._counts[served] = self._counts.get(served, 0) + 1
+            self._counts.pop(pod, None)
 
     def reported(self, pod: str) -> None:
         """A newer snapshot of ``pod`` arrived: it shows the requests counted so far."""

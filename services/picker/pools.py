@@ -253,21 +253,21 @@ class Gateway:
 
     def started(self, routed: Routed) -> None:
         """A request was sent to ``routed``'s pod."""
-        router = self.routers.get(routed.pool)
-        if router is not None:
-            router.pods.started(routed.pod)
+        pods = self.table(routed.pool)
+        if pods is not None:
+            pods.started(routed.pod)
 
     def finished(self, routed: Routed) -> None:
         """The request sent to ``routed``'s pod has ended."""
-        router = self.routers.get(routed.pool)
-        if router is not None:
-            router.pods.finished(routed.pod)
+        pods = self.table(routed.pool)
+        if pods is not None:
+            pods.finished(routed.pod)
 
     def responded(self, routed: Routed, status: int) -> None:
         """The response to a request sent to ``routed``'s pod started with ``status``."""
-        router = self.routers.get(routed.pool)
-        if router is not None:
-            router.pods.responded(routed.pod, status)
+        pods = self.table(routed.pool)
+        if pods is not None:
+            pods.responded(routed.pod, status)
 
     def wants_outcome(self) -> bool:
         """Whether the request being routed (its pool still unknown) should report its status:

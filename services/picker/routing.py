@@ -18,7 +18,7 @@ from services.picker.scheduling.types import Decision, PodView, Policy, Scheduli
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
 from shared.registry_view import RegistryChanges, RegistryView
-from shared.schemas import Criticality, InferenceModel, InferencePool, PolicyConfig
+from shared.schemas import Criticality, Endpoint, InferenceModel, InferencePool, PolicyConfig
 
 log = logging.getLogger("lig.picker.routing")
 
@@ -262,7 +262,7 @@ class Router:
         if fresh:
             pick = fresh[self._rng.randrange(len(fresh))]
             return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name)
-        endpoints = [e for e in self.pods.endpoints if subset is None or e.hostport in subset]
+        endpoints = self._members_in(subset)
         if not endpoints:
             return self._no_endpoint() if subset is None else self._none_in_subset()
         endpoint = endpoints[self._rng.randrange(len(endpoints))]
@@ -272,10 +272,6 @@ class Router:
                 ) -> tuple[PodView, tuple[str, ...]] | Rejected:
         pods = _in_subset(self.pods.fresh_views(), subset)
         if not pods:
-            if subset is not None and self.pods.endpoints:
-                members = [e for e in self.pods.endpoints if e.hostport in subset]
-                if not members:
-                    return self._none_in_subset()
             chosen = self._any_endpoint(subset)
             return chosen if isinstance(chosen, Rejected) else (chosen, ())
         explain = log.isEnabledFor(logging.DEBUG)
@@ -311,15 +307,24 @@ class Router:
             order.append(pick.address)
         return tuple(order)
 
+    def _members_in(self, subset: frozenset[str] | None) -> Sequence[Endpoint]:
+        """The members in the subset hint (all of them without a hint)."""
+        endpoints = self.pods.endpoints
+        if subset is None:
+            return endpoints
+        return [endpoint for endpoint in endpoints if endpoint.hostport in subset]
+
     def _none_in_subset(self) -> Rejected:
         return reject(503, f"no endpoint of the gateway's subset hint is eligible in pool "
                       f"{self._quoted_pool}", "no_eligible_endpoint_in_subset")
 
     def _any_endpoint(self, subset: frozenset[str] | None = None) -> PodView | Rejected:
         """Every member is stale (or none reported yet): pick uniformly among the members."""
-        endpoints = [e for e in self.pods.endpoints if subset is None or e.hostport in subset]
+        endpoints = self._members_in(subset)
         if not endpoints:
-            return self._no_endpoint()
+            # Members, but none in the subset hint: that is the hint's fault, not the pool's.
+            return (self._none_in_subset() if subset is not None and self.pods.endpoints
+                    else self._no_endpoint())
         self._on_all_stale()
         self._all_stale_log.warning(
             "pool %s: no fresh metrics for any of %d pods; picking uniformly at random",

@@ -181,9 +181,8 @@ class PodTable:
         """The request routed to ``routed`` was served by ``served`` (the gateway went down the
         fallback list): its in-flight count and load estimate move there."""
         self.finished(routed)
-        self._in_flight[served] = self._in_flight.get(served, 0) + 1
-        self._unreported.moved(routed, served)
-        self.gray.started(served, self._clock())
+        self._unreported.unrouted(routed)
+        self.started(served)
 
     def member_at(self, hostport: str) -> Endpoint | None:
         """The member endpoint at ``ip:port`` (None when no member is there)."""
