@@ -37,8 +37,10 @@ MAX_REQUESTS = 3000  # the load loop is bounded in count as well as in time
 LOAD_BEFORE_KILL_S = 2.0
 LOAD_AFTER_KILL_S = 5.0
 FRESH_WITHIN_S = 2.0
-# A stream whose leader was on the lost node answers again once the survivors elect a new one.
-READABLE_WITHIN_S = 5.0
+# A stream whose leader was on the lost node answers again once the survivors elect a new one:
+# nats-server's Raft notices the lost leader and elects in a few seconds, more on a loaded
+# machine (one full-suite run took over 4.6 s). The issue bounds pod freshness (2 s), not this.
+READABLE_WITHIN_S = 10.0
 
 
 class Load:
