@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from services.picker.scheduling import (
+from scheduling import (
     PodView,
     Policy,
     SchedulingRequest,

@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from services.picker.scheduling import (
+from scheduling import (
     Decision,
     PodView,
     PolicyConfigError,

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import msgspec
 
+from scheduling import PodView, Policy, build_policy
 from scheduling_bench.workloads import BenchRequest
 from services.picker.load_estimate import UnreportedLoad, picker_views
-from services.picker.scheduling import PodView, Policy, build_policy
 from shared.schemas import PolicyConfig
 from simulator.engine import Engine, EngineConfig, EngineCounters, Request, RequestRejected
 from simulator.virtual_time import VirtualClock, engine_rng

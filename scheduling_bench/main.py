@@ -19,10 +19,10 @@ from pathlib import Path
 
 import msgspec
 
+from scheduling import PolicyConfigError, build_policy, policy_names
 from scheduling_bench import default_sweep, report
 from scheduling_bench.runner import RAW_SUFFIX, Point, parse_policy, run_points
 from scheduling_bench.workloads import WORKLOADS, TraceError, Workload, read_trace
-from services.picker.scheduling import PolicyConfigError, build_policy, policy_names
 from simulator.profiles import DEFAULT_PROFILE, load_profile
 
 TRACE_HELP = (

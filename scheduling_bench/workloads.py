@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.picker.scheduling import SchedulingRequest
+from scheduling import SchedulingRequest
 from shared.schemas import Criticality
 from simulator.engine import RequestSpec, SyntheticPrompt
 

@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lig.status import PICKER_REQUESTS_FAMILY
+from scheduling.types import PodView
 from services.picker.gray_pods import BASE_COOL_OFF, GrayPods
-from services.picker.scheduling.types import PodView
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
 from tests.support.lig_up import RunningStack, lig_up

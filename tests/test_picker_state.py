@@ -8,9 +8,9 @@ from collections import Counter
 import msgspec
 import pytest
 
+from scheduling import SchedulingRequest, build_policy
 from services.picker.gray_pods import GrayPods
 from services.picker.metrics_feed import SnapshotSink
-from services.picker.scheduling import SchedulingRequest, build_policy
 from services.picker.state import PodTable
 from shared.schemas import Endpoint, PodMetrics, PolicyConfig, encode
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.picker.scheduling import (
+from scheduling import (
     PodView,
     PolicyConfigError,
     SchedulingRequest,

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.picker.scheduling import PodView, PolicyConfigError, SchedulingRequest
-from services.picker.scheduling.plugin import FilterFailed, ShedRequest
-from services.picker.scheduling.tree import Node, build_tree, run_tree
+from scheduling import PodView, PolicyConfigError, SchedulingRequest
+from scheduling.plugin import FilterFailed, ShedRequest
+from scheduling.tree import Node, build_tree, run_tree
 
 PODS = [PodView(name=f"p{i}", address=f"10.0.0.{i}:8000", waiting=i) for i in range(4)]
 REQ = SchedulingRequest(model="m", target_model="m")

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from services.picker.scheduling import PodView, SchedulingRequest, build_policy
-from services.picker.scheduling.registry import create_plugin
-from services.picker.scheduling.tree import Node, run_tree
+from scheduling import PodView, SchedulingRequest, build_policy
+from scheduling.registry import create_plugin
+from scheduling.tree import Node, run_tree
 from shared.schemas import Criticality, PolicyConfig
 
 CRITICAL, STANDARD, SHEDDABLE = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
@@ -66,7 +66,7 @@ SATURATED_PODS = [
 def test_simple_filter_without_successor_failure() -> None:
     class Broken:
         def filter(self, req, pods):
-            from services.picker.scheduling.plugin import FilterFailed
+            from scheduling.plugin import FilterFailed
 
             raise FilterFailed("filter error")
 

@@ -38,7 +38,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from services.picker.scheduling.types import PodView
+from scheduling.types import PodView
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.picker.gray_pods")

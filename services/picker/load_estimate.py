@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from services.picker.scheduling.types import PodView
+from scheduling.types import PodView
 
 
 class UnreportedLoad:

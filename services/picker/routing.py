@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from services.picker.scheduling import PolicyConfigError, build_policy
-from services.picker.scheduling.types import Decision, PodView, Policy, SchedulingRequest
+from scheduling import PolicyConfigError, build_policy
+from scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
 from shared.registry_view import RegistryChanges, RegistryView

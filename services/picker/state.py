@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from scheduling.types import PodView
 from services.picker.gray_pods import GrayPods
 from services.picker.load_estimate import UnreportedLoad, picker_views
-from services.picker.scheduling.types import PodView
 from shared.schemas import Endpoint, PodMetrics
 
 

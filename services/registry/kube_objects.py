@@ -45,7 +45,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from services.picker.scheduling import PolicyConfigError, build_policy
+from scheduling import PolicyConfigError, build_policy
 from services.registry import crd
 from services.registry import networks as networks_module
 from services.registry.loader import Registry

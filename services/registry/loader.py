@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from services.picker.scheduling import PolicyConfigError, build_policy
+from scheduling import PolicyConfigError, build_policy
 from services.registry import crd
 from services.registry import networks as networks_module
 from shared.schemas import (

@@ -8,9 +8,9 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.picker.scheduling.plugin import no_params
-from services.picker.scheduling.plugins.can_accept_lora import active_adapter_count
-from services.picker.scheduling.types import PodView, SchedulingRequest
+from scheduling.plugin import no_params
+from scheduling.plugins.can_accept_lora import active_adapter_count
+from scheduling.types import PodView, SchedulingRequest
 
 
 class LowLoraCost:

@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from services.picker.scheduling.params import parse_params
-from services.picker.scheduling.types import PodView, SchedulingRequest
+from scheduling.params import parse_params
+from scheduling.types import PodView, SchedulingRequest
 
 
 class SheddableCapacityParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

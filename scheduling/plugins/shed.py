@@ -6,8 +6,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.picker.scheduling.plugin import ShedRequest, no_params
-from services.picker.scheduling.types import PodView, SchedulingRequest
+from scheduling.plugin import ShedRequest, no_params
+from scheduling.types import PodView, SchedulingRequest
 
 
 class Shed:

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from services.picker.scheduling.params import PolicyConfigError
-from services.picker.scheduling.plugin import BestScore, Filter, FilterFailed
-from services.picker.scheduling.registry import create_plugin
-from services.picker.scheduling.types import PodView, SchedulingRequest, StepTrace
+from scheduling.params import PolicyConfigError
+from scheduling.plugin import BestScore, Filter, FilterFailed
+from scheduling.registry import create_plugin
+from scheduling.types import PodView, SchedulingRequest, StepTrace
 
 
 class StepSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

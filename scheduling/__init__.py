@@ -4,9 +4,9 @@ Entry point: ``build_policy(PolicyConfig, rng)`` returns a :class:`Policy` whose
 ``schedule(request, pods, explain=False)`` returns a :class:`Decision`.
 """
 
-from services.picker.scheduling.params import PolicyConfigError
-from services.picker.scheduling.policies import build_policy, policy_names
-from services.picker.scheduling.types import (
+from scheduling.params import PolicyConfigError
+from scheduling.policies import build_policy, policy_names
+from scheduling.types import (
     Decision,
     PodView,
     Policy,

@@ -6,9 +6,9 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from services.picker.scheduling.params import PolicyConfigError
-from services.picker.scheduling.plugin import Filter, Picker, PluginType, Scorer
-from services.picker.scheduling.plugins import (
+from scheduling.params import PolicyConfigError
+from scheduling.plugin import Filter, Picker, PluginType, Scorer
+from scheduling.plugins import (
     can_accept_lora,
     critical_request,
     in_flight_scorer,

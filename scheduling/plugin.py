@@ -14,8 +14,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from services.picker.scheduling.params import parse_params
-from services.picker.scheduling.types import PodView, SchedulingRequest
+from scheduling.params import parse_params
+from scheduling.types import PodView, SchedulingRequest
 
 
 class FilterFailed(Exception):

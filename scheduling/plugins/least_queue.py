@@ -12,8 +12,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.picker.scheduling.plugin import no_params
-from services.picker.scheduling.types import PodView, SchedulingRequest
+from scheduling.plugin import no_params
+from scheduling.types import PodView, SchedulingRequest
 
 
 class LeastQueue:

@@ -23,11 +23,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from services.picker.scheduling.params import PolicyConfigError, parse_params
-from services.picker.scheduling.plugin import FilterFailed, NoParams, Picker, ShedRequest
-from services.picker.scheduling.registry import create_plugin
-from services.picker.scheduling.tree import Node, build_tree, run_tree
-from services.picker.scheduling.types import (
+from scheduling.params import PolicyConfigError, parse_params
+from scheduling.plugin import FilterFailed, NoParams, Picker, ShedRequest
+from scheduling.registry import create_plugin
+from scheduling.tree import Node, build_tree, run_tree
+from scheduling.types import (
     Decision,
     PodView,
     Policy,
