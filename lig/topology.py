@@ -18,6 +18,7 @@ import msgspec
 
 from lig.local_registry import SimulatedPool
 from lig.supervisor import ChildSpec
+from shared import ports
 from shared.schemas import Endpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,21 +29,21 @@ ENVOY_TEMPLATE = REPO_ROOT / "deploy" / "envoy" / "envoy.yaml"
 # as a LoRA adapter (see lig.local_registry.simulated_models).
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
-DEFAULT_GATEWAY_PORT = 8081
+DEFAULT_GATEWAY_PORT = ports.GATEWAY
 DEFAULT_STATE_DIR = ".lig"
 STACK_FILE = "stack.json"  # in the state folder: where `lig status` finds a running stack
 LOOPBACK = "127.0.0.1"
 
 # The services' own defaults (their --help says the same); pickers after the first are shifted
 # by PICKER_PORT_STRIDE so that several fit on one machine.
-NATS_PORT = 4222
-ENVOY_ADMIN_PORT = 9901
-SIM_BASE_PORT = 8000
-PICKER_GRPC_PORT = 9002
-PICKER_HEALTH_PORT = 9003
-PICKER_METRICS_PORT = 9090
-COLLECTOR_METRICS_PORT = 9091
-REGISTRY_METRICS_PORT = 9092
+NATS_PORT = ports.NATS
+ENVOY_ADMIN_PORT = ports.ENVOY_ADMIN
+SIM_BASE_PORT = ports.SIMULATOR_BASE
+PICKER_GRPC_PORT = ports.PICKER_GRPC
+PICKER_HEALTH_PORT = ports.PICKER_HEALTH
+PICKER_METRICS_PORT = ports.PICKER_METRICS
+COLLECTOR_METRICS_PORT = ports.COLLECTOR_METRICS
+REGISTRY_METRICS_PORT = ports.REGISTRY_METRICS
 PICKER_PORT_STRIDE = 100
 
 

@@ -1,0 +1,17 @@
+"""The well-known ports of every service: the one place their defaults are written.
+
+The services' flags, ``lig up``'s local layout, the Envoy bootstrap and the deploy manifests all
+use these numbers, so a default changed here changes everywhere.
+"""
+
+from __future__ import annotations
+
+NATS = 4222
+GATEWAY = 8081  # Envoy's listener for OpenAI requests
+ENVOY_ADMIN = 9901
+SIMULATOR_BASE = 8000  # the first simulated pod; the others follow
+PICKER_GRPC = 9002  # ext_proc
+PICKER_HEALTH = 9003  # gRPC health
+PICKER_METRICS = 9090
+COLLECTOR_METRICS = 9091
+REGISTRY_METRICS = 9092
