@@ -23,7 +23,7 @@ import yaml
 DEPLOY = Path(__file__).resolve().parent
 sys.path.insert(0, str(DEPLOY.parent))
 
-from lig import local_registry  # noqa: E402
+from lig import stack_config  # noqa: E402
 from lig.topology import (  # noqa: E402
     DEFAULT_GATEWAY_PORT,
     ENVOY_ADMIN_PORT,
@@ -71,10 +71,10 @@ def envoy_for(picker_host: str) -> str:
 
 def registry_for(address: str) -> dict[str, str]:
     """The example registry with its pool's endpoints at ``address`` (file name -> YAML)."""
-    example = local_registry.load_config(EXAMPLE_CONFIG)
-    pool = local_registry.choose_pool(example, None)
-    pods = local_registry.simulated_endpoints(example, pool, SIM_PODS, SIM_BASE_PORT, address)
-    return local_registry.with_endpoints(EXAMPLE_CONFIG, pool, pods)
+    example = stack_config.load_config(EXAMPLE_CONFIG)
+    pool = stack_config.choose_pool(example, None)
+    pods = stack_config.simulated_endpoints(example, pool, SIM_PODS, SIM_BASE_PORT, address)
+    return stack_config.with_endpoints(EXAMPLE_CONFIG, pool, pods)
 
 
 def configmaps() -> str:

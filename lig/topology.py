@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from lig.local_registry import SimulatedPool
+from lig.stack_config import SimulatedPool
 from lig.supervisor import ChildSpec
 from shared import ports
 from shared.schemas import Endpoint
@@ -26,7 +26,7 @@ EXAMPLE_CONFIG = REPO_ROOT / "examples" / "local"
 ENVOY_TEMPLATE = REPO_ROOT / "deploy" / "envoy" / "envoy.yaml"
 
 # The simulated pods serve this base model plus every other target model of the configuration
-# as a LoRA adapter (see lig.local_registry.simulated_models).
+# as a LoRA adapter (see lig.stack_config.simulated_models).
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 DEFAULT_GATEWAY_PORT = ports.GATEWAY
