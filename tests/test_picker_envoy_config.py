@@ -18,14 +18,14 @@ from envoy_bootstrap import (
     render_envoy_config,
     template_text,
 )
+from lig.server_binaries import server_binary
 from shared import ports
-from tests.support.envoy import envoy_binary
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def validate(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path),
+    return subprocess.run([server_binary("envoy"), "--mode", "validate", "-c", str(path),
                            "--disable-hot-restart", "--log-level", "error"],
                           capture_output=True, text=True, timeout=30)
 

@@ -14,11 +14,11 @@ import yaml
 from lig import stack_config
 from lig.nats_config import write_config
 from lig.nats_permissions import SERVICES
+from lig.server_binaries import server_binary
 from lig.topology import DEFAULT_GATEWAY_PORT, EXAMPLE_CONFIG
 from shared.subjects import Subjects
 from tests.support.certs import make_certificates
 from tests.support.cli import lig_parser, parse_command
-from tests.support.nats_server import nats_server_binary
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 PROJECT_IMAGE = "llm-instance-gateway:dev"
@@ -242,9 +242,9 @@ def test_nats_config_is_accepted_by_nats_server(tmp_path: Path) -> None:
     (config_dir / "nats.conf").write_text(text)
     args = container("nats")["args"]
     assert args == ["--config", f"{mounts['config']}/nats.conf"]
-    checked = subprocess.run([nats_server_binary(), "-t", "-c", str(config_dir / "nats.conf")],
-                             capture_output=True, text=True, timeout=10,
-                             env={**os.environ, "POD_NAME": "nats-0"})
+    checked = subprocess.run(
+        [server_binary("nats-server"), "-t", "-c", str(config_dir / "nats.conf")],
+        capture_output=True, text=True, timeout=10, env={**os.environ, "POD_NAME": "nats-0"})
     assert checked.returncode == 0, checked.stdout + checked.stderr
     volumes = {v["name"]: v for v in pod_spec("nats")["volumes"]}
     assert volumes["auth"]["secret"]["secretName"] == "lig-nats-auth"
