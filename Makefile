@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint bench attack chaos clean
+.PHONY: up test test-unit lint bench attack chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The inner loop: unit tests only, no NATS, Envoy, subprocess or socket (tests/support/process_marker.py).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not process"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
