@@ -132,7 +132,9 @@ class Engine:
         self._serial = 0
         self._admitted = 0
         self._steady = SteadyRequests(self.kv)
+        """The running requests the engine does not walk while they decode (the fast path)."""
         self._prefix = PrefixSharing(self.kv, config.adapters)
+        """Which of the requests' full blocks are in the prefix cache, and who may share them."""
         self._batch: list[Request] | None = None
         self._walked: list[Request] = []
         self._plan: StepPlan | None = None
@@ -351,7 +353,7 @@ class Engine:
         self._batch = None
         now = self.clock.now()
         steady = self._steady
-        step = steady.end_step(now)
+        step = steady.end_step(now)  # every steady request now has a token stamped ``now``
         result = StepResult(plan, now, self._step_queries, self._step_hits)
         emitted = result.emitted = batch  # less the requests that get no token, below
         done, self._aborting = self._aborting, []
