@@ -3,7 +3,8 @@
 Every full block of a request is *registered* (``Request._num_registered``) and, unless it is
 private (below), *offered* to the prefix cache (``KVCache.cache``) at once. ``offer`` is the one
 place where blocks enter the cache's hash map; they leave it when ``KVCache.allocate`` hands
-them out again.
+them out again. The blocks a steady request fills with generated tokens unique to it are
+registered late, when it stops being steady (``SteadyRequests.unsteady``): nobody can share them.
 
 Private text (the fast path). Hashing every full block and filing it in the prefix cache
 costs as much as the rest of the engine, yet most blocks can never be found there by anyone:
