@@ -29,7 +29,7 @@ class MetricsServer:
         try:
             server, thread = start_http_server(port, host, registry)
         except OSError as exc:
-            raise PortInUse("metrics", host, port, exc.strerror or exc) from None
+            raise PortInUse("metrics", host, port, exc) from None
         return cls(server, thread)
 
     def stop(self) -> None:
