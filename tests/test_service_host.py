@@ -5,10 +5,12 @@ one line, exit code 1."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ from services.picker.main import configure as picker_flags
 from services.picker.main import settings_from as picker_settings
 from services.registry.main import configure as registry_flags
 from services.registry.main import settings_from as registry_settings
-from shared.host.errors import ConfigError
+from shared.host.errors import ConfigError, PortInUse
+from shared.host.lifespan import Lifespan
 from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,3 +134,23 @@ def test_a_port_in_use_ends_every_service_the_same_way(service: str, tmp_path: P
     assert result.returncode == 1, output
     assert output.splitlines() == [f"lig {service}: cannot listen on 127.0.0.1:{taken} "
                                    "(metrics): [Errno 98] Address already in use"], output
+
+
+async def test_the_lifespan_releases_in_reverse_order_within_bounds() -> None:
+    released: list[str] = []
+
+    async def hang() -> None:
+        released.append("hanging close")
+        await asyncio.sleep(60)
+
+    started = time.monotonic()
+    with pytest.raises(PortInUse):  # a service failing halfway through starting
+        async with Lifespan() as life:
+            life.callback(lambda: released.append("opened first"))
+            life.on_close(hang, within=0.2)
+            sleeper = life.task(asyncio.sleep(60), grace=0.2)
+            life.callback(lambda: released.append("opened last"))
+            raise PortInUse("test", "127.0.0.1", 1, "taken")
+    assert released == ["opened last", "hanging close", "opened first"]
+    assert sleeper.cancelled()
+    assert time.monotonic() - started < 2

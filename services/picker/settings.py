@@ -91,11 +91,12 @@ class PickerSettings(msgspec.Struct, frozen=True):
                                               if name.strip())))
         if (self.default_pool is not None and not self.reject_unknown_models and self.pools
                 and self.default_pool not in self.pools):
-            raise ValueError(f"--default-pool {self.default_pool} is not one of the pools "
-                             f"served (--pool {' --pool '.join(self.pools)})")
+            raise ValueError(f"--default-pool (env LIG_DEFAULT_POOL) {self.default_pool} is not "
+                             f"one of the pools served (--pool {' --pool '.join(self.pools)})")
         if (self.tls_cert or self.tls_key or self.tls_client_ca) and not (
                 self.tls_cert and self.tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
+            raise ValueError("TLS needs both --tls-cert and --tls-key (env LIG_TLS_CERT and "
+                             "LIG_TLS_KEY)")
 
     @property
     def tls(self) -> TlsFiles | None:

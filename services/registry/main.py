@@ -80,7 +80,8 @@ class RegistrySettings(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.kubernetes and (self.paths or self.check or self.endpoints_override):
-            raise ValueError("--kubernetes takes no PATH, --check or --endpoints-override")
+            raise ValueError("--kubernetes (env LIG_KUBERNETES) takes no PATH (LIG_PATHS), --check "
+                             "or --endpoints-override")
         if not self.paths and not self.kubernetes:
             raise ValueError("no PATH given (or set LIG_PATHS)")
 
