@@ -55,6 +55,11 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, NatsSettings, _GROUP)
 
 
+def nats_url_given(args: argparse.Namespace) -> bool:
+    """True when ``--nats-url`` was on the command line (of :func:`add_nats_arguments`)."""
+    return getattr(args, _GROUP + "url", None) is not None
+
+
 def settings_from_args(args: argparse.Namespace) -> NatsSettings:
     """The settings of the flags added by :func:`add_nats_arguments` (then ``LIG_NATS_*``...)."""
     settings: NatsSettings = from_args(NatsSettings, args, prefix=_GROUP)
