@@ -227,8 +227,14 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         await ext_proc.start()
         nats = _NatsLink(settings.nats, Subjects(settings.nats.prefix), RegistryView(), gateway,
                          metrics)
-        life.task(nats.run(stop))
-        life.task(_housekeeping(stop, nats, gateway, health, metrics))
+        tasks = (asyncio.create_task(nats.run(stop)),
+                 asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
+        # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
+        # up to ~0.5 s, and one after another they would stretch the stop (ext_proc's own close
+        # above, for a failed start, then finds it stopped already).
+        life.on_close(lambda: asyncio.gather(ext_proc.stop(SHUTDOWN_GRACE),
+                                             *(cancel_and_wait(task) for task in tasks)),
+                      within=SHUTDOWN_GRACE + 2.0)
         life.on_close(lambda: asyncio.sleep(shutdown.drain), within=settings.drain_delay + 0.5)
         await health.start()
         life.on_close(lambda: health.stop(0), within=1.0)
