@@ -155,7 +155,9 @@ class Peer:
         return frame(HEADERS, flags, stream_id, block)
 
     def header_fields(self, block: bytes) -> dict[str, str]:
-        return {name: value for name, value in self.decoder.decode(block)}
+        # raw=True: hpack annotates decode() as bytes pairs whatever ``raw`` says
+        return {name.decode(): value.decode()
+                for name, value in self.decoder.decode(block, raw=True)}
 
 
 class RawClient:
@@ -234,8 +236,7 @@ class RawClient:
         """The grpc-status of a call that ended (None: not ended)."""
         for kind, flags, sid, payload in self.frames:
             if kind == HEADERS and sid == stream_id and flags & END_STREAM:
-                fields = dict(self.decoder.decode(payload))
-                return fields.get("grpc-status")
+                return self.header_fields(payload).get("grpc-status")
         return None
 
     def answers(self, stream_id: int) -> bytes:

@@ -67,7 +67,9 @@ class PickerProcess:
         """The gRPC health status of ``service`` (None when the port does not answer)."""
         with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
+                # types-grpcio-health-checking's HealthStub lacks the methods the generated
+                # __init__ sets up from the channel.
+                reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                     health_pb2.HealthCheckRequest(service=service), timeout=1)
             except grpc.RpcError:
                 return None
