@@ -30,6 +30,12 @@ from services.picker.http2_limits import MIB, BufferBudget, Http2Limits
 PATH = b"/test.Echo/Chat"
 
 
+def decode_fields(decoder: hpack.Decoder, block: bytes) -> dict[str, str]:
+    """The header fields of an HPACK ``block``, as text."""
+    # raw=True: hpack annotates decode() as bytes pairs whatever ``raw`` says
+    return {name.decode(): value.decode() for name, value in decoder.decode(block, raw=True)}
+
+
 class FakeTransport:
     """Collects what the connection writes; like asyncio's transports, it tells its protocol
     to pause writing once more than the high-water mark is unread (``written``)."""
@@ -155,9 +161,7 @@ class Peer:
         return frame(HEADERS, flags, stream_id, block)
 
     def header_fields(self, block: bytes) -> dict[str, str]:
-        # raw=True: hpack annotates decode() as bytes pairs whatever ``raw`` says
-        return {name.decode(): value.decode()
-                for name, value in self.decoder.decode(block, raw=True)}
+        return decode_fields(self.decoder, block)
 
 
 class RawClient:
@@ -236,7 +240,7 @@ class RawClient:
         """The grpc-status of a call that ended (None: not ended)."""
         for kind, flags, sid, payload in self.frames:
             if kind == HEADERS and sid == stream_id and flags & END_STREAM:
-                return self.header_fields(payload).get("grpc-status")
+                return decode_fields(self.decoder, payload).get("grpc-status")
         return None
 
     def answers(self, stream_id: int) -> bytes:
