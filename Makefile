@@ -18,10 +18,13 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
+# ruff, then mypy over the packages listed in pyproject.toml's [tool.mypy].
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Every speed benchmark in bench/, one after the other (several minutes; see bench/README.md).
 bench: $(STAMP)

@@ -15,11 +15,7 @@ import contextlib
 import threading
 
 import msgspec
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover
-    uvloop = None
+import uvloop
 
 
 class _Request(msgspec.Struct):
@@ -236,9 +232,8 @@ def main() -> None:
     parser.add_argument("--name", default="upstream")
     args = parser.parse_args()
     server = UpstreamServer(args.name, args.port, args.host, keep=0)
-    runner = uvloop.run if uvloop is not None else asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        runner(server.serve())
+        uvloop.run(server.serve())
 
 
 if __name__ == "__main__":
