@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -123,8 +124,9 @@ def picker_process(tmp_path: Path) -> Iterator[Callable[..., PickerProcess]]:
     """Factory fixture: ``picker_process(pool, nats_url, **options)`` starts a picker."""
     started: list[PickerProcess] = []
 
-    def factory(pool: str, nats_url: str, **options: object) -> PickerProcess:
-        picker = PickerProcess(pool, nats_url, tmp_path, **options).start()  # type: ignore[arg-type]
+    # ``options`` are PickerProcess's keyword arguments, checked by its signature.
+    def factory(pool: str, nats_url: str, **options: Any) -> PickerProcess:
+        picker = PickerProcess(pool, nats_url, tmp_path, **options).start()
         started.append(picker)
         return picker
 
