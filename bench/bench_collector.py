@@ -117,7 +117,8 @@ def cpu_seconds(pid: int) -> float:
 
 # --- baseline: the obvious httpx scraper -----------------------------------------------------
 
-def _baseline(ports: list[int], seconds: float, out: multiprocessing.Queue) -> None:
+def _baseline(ports: list[int], seconds: float,
+              out: multiprocessing.Queue[tuple[float, float]]) -> None:
     async def main() -> None:
         async with httpx.AsyncClient() as client:
             deadline = time.monotonic() + seconds
@@ -143,7 +144,7 @@ def _baseline(ports: list[int], seconds: float, out: multiprocessing.Queue) -> N
 
 def measure_baseline(ports: list[int], seconds: float) -> tuple[float, float]:
     """(GETs per second, CPU seconds per GET) of the naive scraper, in its own process."""
-    out: multiprocessing.Queue = multiprocessing.get_context("fork").Queue()
+    out: multiprocessing.Queue[tuple[float, float]] = multiprocessing.get_context("fork").Queue()
     process = multiprocessing.get_context("fork").Process(
         target=_baseline, args=(ports, seconds, out))
     process.start()
