@@ -39,4 +39,4 @@ chaos: $(STAMP)
 	$(BIN)/python -m resilience chaos $(ARGS)
 
 clean:
-	rm -rf $(VENV) .lig .pytest_cache build *.egg-info
+	rm -rf $(VENV) .lig .pytest_cache .mypy_cache build *.egg-info
