@@ -1033,12 +1033,12 @@ class _Refused(asyncio.Protocol):
         self._on_error = on_error
         self._warnings = warnings
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    # The same typeshed gap as Http2Connection's: a stream protocol always gets a Transport.
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         kind = ERROR_NAMES[ENHANCE_YOUR_CALM]
         self._on_error(kind)
         self._warnings.warning("HTTP/2 connection error %s, closing: %s", kind,
                                "too many connections")
-        assert isinstance(transport, asyncio.WriteTransport)
         # The server preface is a SETTINGS frame; the GOAWAY then says why.
         transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, (0).to_bytes(4, "big")
                                                       + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
