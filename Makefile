@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint bench attack chaos clean
+.PHONY: up test test-unit lint bench attack chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[local,test,bench]'
 	touch $(STAMP)
 
 # `make up CONFIG=examples/two-pools`: serve every pool of a registry folder at one address.
@@ -20,6 +20,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# The inner loop: unit tests only, no NATS, Envoy, subprocess or socket (tests/support/process_marker.py).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not process"
 
 # ruff, then mypy over the packages listed in pyproject.toml's [tool.mypy].
 lint: $(STAMP)
