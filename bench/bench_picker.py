@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 import msgspec
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,11 +50,6 @@ from tests.support.nats_server import NatsServer
 from tests.support.picker import PickerProcess
 from tests.support.ports import free_port, wait_for_port
 from tests.support.processes import die_with_parent
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover
-    uvloop = None
 
 POOL = "bench"
 PODS = 2
@@ -72,8 +68,10 @@ class _Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._waiter: asyncio.Future[int] | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    # typeshed keeps BaseProtocol's BaseTransport here, but a stream protocol is always given a
+    # Transport (uvloop's is not a subclass of asyncio.Transport, so isinstance cannot narrow).
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -342,7 +340,8 @@ def serve_constant_answers(port: int, destination: str) -> None:
     option.append_action = option.OVERWRITE_IF_EXISTS_OR_ADD
 
     class ConstantAnswers(external_processor_pb2_grpc.ExternalProcessorServicer):
-        async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async def Process(self, request_iterator: object,
+                          context: grpc.aio.ServicerContext[Any, Any]) -> None:
             while True:
                 message = await context.read()
                 if message is grpc.aio.EOF:
@@ -362,7 +361,7 @@ def serve_constant_answers(port: int, destination: str) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    (uvloop.run if uvloop is not None else asyncio.run)(serve())
+    uvloop.run(serve())
 
 
 # --- measurements -------------------------------------------------------------------------
@@ -527,8 +526,7 @@ def main() -> int:
         port, destination = args.serve_constant_answers
         serve_constant_answers(int(port), destination)
         return 0
-    runner = uvloop.run if uvloop is not None else asyncio.run
-    return runner(run(args))
+    return uvloop.run(run(args))
 
 
 if __name__ == "__main__":

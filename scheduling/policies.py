@@ -179,9 +179,9 @@ def _tree_policy(
 ) -> TreePolicy:
     root = None if spec is None else build_tree(spec, rng)
     entry, picker = create_plugin(picker_type, {}, rng)
-    if entry.kind != "picker":
+    if entry.kind != "picker" or not isinstance(picker, Picker):
         raise PolicyConfigError(f"policy {name!r}: plugin {picker_type!r} is not a picker")
-    return TreePolicy(name, root, picker, f"{picker_type} pick")  # type: ignore[arg-type]
+    return TreePolicy(name, root, picker, f"{picker_type} pick")
 
 
 POLICIES: dict[str, PolicyFactory] = {

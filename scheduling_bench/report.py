@@ -116,8 +116,8 @@ def plot(results: Sequence[RunMetrics], title: str, path: Path) -> None:
         lines = []
         for policy in policies:
             runs = sorted((r for r in results if r.policy == policy), key=lambda r: r.rate)
-            points = [(r.rate, value(r)) for r in runs]
-            lines.append((policy, [(x, y) for x, y in points if y is not None]))
+            measured = [(r.rate, value(r)) for r in runs]
+            lines.append((policy, [(x, y) for x, y in measured if y is not None]))
         values = [y for _, points in lines for _, y in points]
         # A log axis only where values span a decade; it needs them positive.
         logarithmic = logarithmic and min(values, default=0) > 0

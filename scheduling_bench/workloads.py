@@ -228,7 +228,7 @@ def generate(workload: Workload, rate: float, duration: float, seed: int) -> lis
         adapter = None
         if adapters:
             adapter = adapters[bisect.bisect_right(cumulative, adapter_draw * cumulative[-1])]
-        segments = ((_OWN_TEXT_SEED + index, prompt),)
+        segments: tuple[tuple[int, int], ...] = ((_OWN_TEXT_SEED + index, prompt),)
         if workload.prefix_groups:
             group = int(group_draw * workload.prefix_groups)
             segments = ((-1 - group, workload.prefix_tokens), *segments)

@@ -168,16 +168,16 @@ class VirtualFleet:
             while position < count and ordered[position].time <= now:
                 arrival = ordered[position]
                 position += 1
-                pod = arrival.pod
-                if pod is None:
-                    if router is None:
-                        pod = next_pod
-                        next_pod = (next_pod + 1) % len(engines)
-                    else:
-                        if now - snapshot_time >= snapshot_interval or not snapshots:
-                            snapshots = self.snapshots()
-                            snapshot_time = now
-                        pod = router(arrival, snapshots)
+                if arrival.pod is not None:
+                    pod = arrival.pod
+                elif router is None:
+                    pod = next_pod
+                    next_pod = (next_pod + 1) % len(engines)
+                else:
+                    if now - snapshot_time >= snapshot_interval or not snapshots:
+                        snapshots = self.snapshots()
+                        snapshot_time = now
+                    pod = router(arrival, snapshots)
                 try:
                     request = engines[pod].submit(arrival.spec)
                 except RequestRejected as error:

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -67,7 +68,9 @@ class PickerProcess:
         """The gRPC health status of ``service`` (None when the port does not answer)."""
         with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
+                # types-grpcio-health-checking's HealthStub lacks the methods the generated
+                # __init__ sets up from the channel.
+                reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                     health_pb2.HealthCheckRequest(service=service), timeout=1)
             except grpc.RpcError:
                 return None
@@ -121,8 +124,9 @@ def picker_process(tmp_path: Path) -> Iterator[Callable[..., PickerProcess]]:
     """Factory fixture: ``picker_process(pool, nats_url, **options)`` starts a picker."""
     started: list[PickerProcess] = []
 
-    def factory(pool: str, nats_url: str, **options: object) -> PickerProcess:
-        picker = PickerProcess(pool, nats_url, tmp_path, **options).start()  # type: ignore[arg-type]
+    # ``options`` are PickerProcess's keyword arguments, checked by its signature.
+    def factory(pool: str, nats_url: str, **options: Any) -> PickerProcess:
+        picker = PickerProcess(pool, nats_url, tmp_path, **options).start()
         started.append(picker)
         return picker
 
