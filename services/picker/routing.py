@@ -246,12 +246,13 @@ class Router:
             return Rejected(choice.status, choice.outcome, choice.body, requested, target,
                             registered, pool)
         pick, fallbacks = choice
-        new_body = None
+        new_body: bytes | None = None
         if target != requested:
-            new_body = rewrite_model(body, target)
-            if isinstance(new_body, Rejected):
-                return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
+            rewritten = rewrite_model(body, target)
+            if isinstance(rewritten, Rejected):
+                return Rejected(rewritten.status, rewritten.outcome, rewritten.body, requested,
                                 target, registered, pool)
+            new_body = rewritten
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
                       fallbacks, pool)
 
