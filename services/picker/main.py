@@ -30,7 +30,7 @@ from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway, UnknownModels
-from services.picker.routing import Router
+from services.picker.routing import DEFAULT_PREFIX_ENTRIES, Router
 from services.picker.state import PodTable
 from services.picker.tls import (
     TlsFiles,
@@ -130,6 +130,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(the shipped Envoy bootstrap) can route")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for the random choices (reproducible runs)")
+    # Prompt-aware scheduling (issue 11, docs/scheduling.md).
+    parser.add_argument("--prefix-index-entries", type=_non_negative,
+                        default=DEFAULT_PREFIX_ENTRIES, metavar="N",
+                        help="per pool, the most prompt block hashes the approximate prefix "
+                        "index keeps (least recently routed dropped first; about 150 bytes "
+                        "each, see bench/bench_prefix.py); the prefix_affinity scorer of the "
+                        "prefix-aware policy reads it. 0 turns the index off. Default "
+                        f"{DEFAULT_PREFIX_ENTRIES}")
     add_tls_arguments(parser)
     add_nats_arguments(parser)
     add_logging_arguments(parser)
@@ -182,7 +190,7 @@ def build_gateway(args: argparse.Namespace, metrics: PickerMetrics) -> Gateway:
                                       on_exclude=lambda pod, reason:
                                       metrics.gray_exclusions.labels(pod, reason).inc()))
         return Router(pool, pods, rng, on_all_stale=metrics.all_stale.inc,
-                      fallbacks=args.fallbacks)
+                      fallbacks=args.fallbacks, prefix_entries=args.prefix_index_entries)
 
     unknown = UnknownModels(reject=args.reject_unknown_models, default_pool=args.default_pool)
     return Gateway(args.pools, make_router, unknown, rng,
