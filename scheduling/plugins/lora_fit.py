@@ -1,0 +1,39 @@
+"""``lora_fit``: LoRA affinity as a score: 1 where the target adapter is active (running or
+waiting, as ``lora_affinity``), 0.5 where a free slot can load it (as ``can_accept_lora``), 0
+elsewhere. A base-model request matches no adapter list, so pods with free slots rank first, as
+in the filter tree."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scheduling.plugin import no_params
+from scheduling.plugins.can_accept_lora import active_adapter_count
+from scheduling.types import PodView, SchedulingRequest
+
+
+class LoraFit:
+    """Score 1 (adapter active), 0.5 (room to load it) or 0."""
+
+    __slots__ = ()
+
+    def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
+        """One score per pod: 1, 0.5 or 0."""
+        target = request.target_model
+        scores = []
+        for pod in pods:
+            if target in pod.running_adapters or target in pod.waiting_adapters:
+                scores.append(1.0)
+            elif active_adapter_count(pod) < pod.max_lora:
+                scores.append(0.5)
+            else:
+                scores.append(0.0)
+        return scores
+
+
+def create(params: Mapping[str, Any], rng: random.Random) -> LoraFit:
+    """Build the scorer (it takes no parameters)."""
+    no_params(params, "lora_fit")
+    return LoraFit()

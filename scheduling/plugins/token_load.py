@@ -1,0 +1,43 @@
+"""``token_load``: prefer pods with fewer prompt tokens routed to them but not yet reported.
+
+Score ``1 / (1 + unreported_tokens / token_scale)``: 1 for a pod that got nothing since its
+snapshot, 0.5 at ``token_scale`` tokens. The scale is absolute, not relative to the other pods,
+so three 50-token prompts barely count while three 8,000-token prompts weigh like the prefill
+work they are (a request count treats them alike).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+import msgspec
+
+from scheduling.params import parse_params
+from scheduling.types import PodView, SchedulingRequest
+
+
+class TokenLoadParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``token_scale``: the unreported prompt tokens that halve a pod's score."""
+
+    token_scale: Annotated[int, msgspec.Meta(ge=1)] = 4096
+
+
+class TokenLoad:
+    """Score ``1 / (1 + unreported_tokens / token_scale)``."""
+
+    __slots__ = ("_scale",)
+
+    def __init__(self, params: TokenLoadParams) -> None:
+        self._scale = float(params.token_scale)
+
+    def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
+        """One score per pod, in (0, 1]."""
+        scale = self._scale
+        return [scale / (scale + pod.unreported_tokens) for pod in pods]
+
+
+def create(params: Mapping[str, Any], rng: random.Random) -> TokenLoad:
+    """Build the scorer from ``token_scale``."""
+    return TokenLoad(parse_params(params, TokenLoadParams, "plugin 'token_load'"))
