@@ -52,11 +52,16 @@ class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RequestEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The request file."""
+    """The request as the output echoes it."""
 
     model: str
     target_model: str | None = None
     criticality: Criticality = Criticality.STANDARD
+
+
+class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
+    """The request file: the echoed fields plus what prompt-aware policies read."""
+
     prompt_tokens: NonNegativeInt = 0
     max_tokens: NonNegativeInt = 0
     prefix_blocks: NonNegativeInt = 0
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the policy once and print the explanation; 2 on bad input."""
     try:
         pods = _read_pods(args.pods)
-        request = _read(args.request, RequestEntry)
+        request = _read(args.request, RequestFile)
         params = _parse_params(args.param)
         policy = build_policy(PolicyConfig(name=args.policy, params=params), _rng(args.seed))
     except InputError as exc:
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                      for pod, hits in request.prefix_hits.items()},
     )
     decision = policy.schedule(scheduling_request, pods, explain=True)
-    resolved = msgspec.structs.replace(request, target_model=scheduling_request.target_model)
+    resolved = RequestEntry(request.model, scheduling_request.target_model, request.criticality)
     if args.json:
         output = ExplainOutput(
             policy=policy.name,
