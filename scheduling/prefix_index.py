@@ -53,19 +53,31 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per pod, how many leading blocks of ``hashes`` it is believed to hold (pods with
         none absent). A pod counts block *i* only if it also holds every block before it."""
-        hits: dict[str, int] = {}
+        if not hashes:
+            return {}
         get = self._entries.get
-        for depth, block in enumerate(hashes):
+        alive = get(hashes[0])  # the pods holding every block so far
+        if alive is None:
+            return {}
+        hits: dict[str, int] = {}
+        depth = 1
+        for block in hashes[1:]:
             pods = get(block)
             if pods is None:
                 break
-            extended = False
-            for pod in pods:
-                if hits.get(pod, 0) == depth:
-                    hits[pod] = depth + 1
-                    extended = True
-            if not extended:
-                break
+            # Usually the same pods hold the whole prefix: one tuple comparison per block.
+            if pods != alive:
+                kept = tuple([pod for pod in alive if pod in pods])
+                if len(kept) < len(alive):
+                    for pod in alive:
+                        if pod not in pods:
+                            hits[pod] = depth
+                    if not kept:
+                        return hits
+                    alive = kept
+            depth += 1
+        for pod in alive:
+            hits[pod] = depth
         return hits
 
     def forget(self, pod: str) -> None:

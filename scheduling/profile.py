@@ -98,8 +98,7 @@ class ProfilePolicy:
         columns: list[tuple[str, list[float]]] = []
         for name, weight, scorer in self._scorers:
             scores = scorer.score(request, pods)
-            for index, score in enumerate(scores):
-                totals[index] += weight * score
+            totals = [total + weight * score for total, score in zip(totals, scores, strict=True)]
             if trace is not None:
                 columns.append((name, scores))
         best = max(totals)
