@@ -20,8 +20,13 @@ the shipped one; STREAMED; FULL_DUPLEX_STREAMED, as Gateway API gateways run an 
 each through its own Envoy in front of the same picker process, closed and open loop, plain and
 rewritten requests, and prints each mode's ratio to BUFFERED measured in the same run.
 
+A run with a ``--chat-tokens`` (4,000) chat prompt measures the prompt-aware request path (the
+picker reads, estimates and hashes every prompt, matches and records it in the pool's prefix
+index); ``--policy prefix-aware`` runs the pool on the scorer pipeline that uses them (issue 11
+target: <= 150 us CPU per request with everything on, >= 0.25x the static route's throughput).
+
 Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]
-[--compare-body-modes]``.
+[--compare-body-modes] [--policy prefix-aware] [--chat-tokens 4000]``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.picker.envoy_config import BODY_MODES, PickerEndpoint, envoy_config
+from shared.schemas import PolicyConfig
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
@@ -194,6 +200,17 @@ async def open_loop(port: int, payload: bytes, rate: float, duration: float) -> 
     return LoadResult(len(latencies), failed, elapsed, latencies)
 
 
+def chat_bytes(model: str, tokens: int) -> bytes:
+    """A chat request of about ``tokens`` prompt tokens (4 characters each): a long system
+    prompt and a question."""
+    system = (PROMPT * (tokens * 4 // len(PROMPT) + 1))[:tokens * 4 - 200]
+    body = msgspec.json.encode({"model": model, "max_tokens": 16, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Which benefit matters most for a small fleet, and why?"}]})
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+
+
 def request_bytes(model: str) -> bytes:
     body = msgspec.json.encode({"model": model, "prompt": PROMPT, "max_tokens": 16})
     return (b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -212,8 +229,10 @@ def cpu_seconds(pid: int) -> float:
 class Stack:
     """NATS, upstream processes, one picker, one Envoy with gateway and baseline listeners."""
 
-    def __init__(self, workdir: Path, body_modes: bool = False) -> None:
+    def __init__(self, workdir: Path, body_modes: bool = False,
+                 policy: str | None = None) -> None:
         self.workdir = workdir
+        self.policy = policy  # the pool's scheduling policy (None: the picker's default)
         self.body_modes = body_modes  # one Envoy per body mode, instead of the usual parts
         self.mode_envoys: dict[str, EnvoyProcess] = {}
         self.nats = NatsServer(workdir / "jetstream")
@@ -240,7 +259,8 @@ class Stack:
             wait_for_port(port)
         addresses = {f"pod-{i}": f"127.0.0.1:{port}" for i, port in enumerate(self.upstream_ports)}
         self.feed = FleetFeed(self.nats.url, POOL).start()
-        self.feed.set_pool(target_port=self.upstream_ports[0])
+        self.feed.set_pool(target_port=self.upstream_ports[0],
+                           **({"policy": PolicyConfig(self.policy)} if self.policy else {}))
         self.feed.set_model("bench-model")
         self.feed.set_model("bench-alias", target_models=[{"name": "bench-model-v2", "weight": 1}])
         self.feed.set_endpoints(addresses)
@@ -451,9 +471,10 @@ async def run(args: argparse.Namespace) -> int:
     if args.compare_body_modes:
         return await run_body_modes(args)
     with tempfile.TemporaryDirectory() as workdir:
-        stack = Stack(Path(workdir)).start()
+        stack = Stack(Path(workdir), policy=args.policy).start()
         try:
             plain, alias = request_bytes("bench-model"), request_bytes("bench-alias")
+            chat = chat_bytes("bench-model", args.chat_tokens)
             # Warm up every path (connections, caches) before measuring.
             assert stack.envoy and stack.aio_envoy and stack.floor_envoy
             for port in (stack.envoy.listen_port, stack.aio_envoy.listen_port,
@@ -471,6 +492,8 @@ async def run(args: argparse.Namespace) -> int:
                     ("picker open", "picker", "open", plain),
                     ("picker grpc-aio open", "picker-aio", "open", plain),
                     ("grpc.aio floor open", "floor", "open", plain),
+                    ("baseline closed, chat", "baseline", "closed", chat),
+                    ("picker closed, chat", "picker", "closed", chat),
                 ):
                     results.setdefault(name, []).append(
                         await measure(stack, target, mode, payload, args))
@@ -503,6 +526,17 @@ def report(results: dict[str, list[Sample]], args: argparse.Namespace) -> int:
         (f"added p50 at {args.rate:.0f} req/s {added_p50:.2f} ms <= 1.5 ms", added_p50 <= 1.5),
         (f"throughput {throughput:.0f} req/s >= 1000 req/s", throughput >= 1000),
     ]
+    chat_cpu = median(results["picker closed, chat"], "picker_cpu_us")
+    chat_ratio = (median(results["picker closed, chat"], "rate")
+                  / median(results["baseline closed, chat"], "rate"))
+    print(f"{args.chat_tokens}-token chat prompt, policy {args.policy or 'default'}: picker CPU "
+          f"{chat_cpu:.0f} us/request ({chat_cpu / cpu:.2f}x the short prompt's), throughput "
+          f"{chat_ratio:.2f}x the static route's")
+    checks += [
+        (f"chat prompt CPU per request {chat_cpu:.0f} us <= 150 us", chat_cpu <= 150),
+        (f"chat prompt throughput {chat_ratio:.2f}x >= 0.25x the static route's",
+         chat_ratio >= 0.25),
+    ]
     for text, passed in checks:
         print(f"  {'PASS' if passed else 'MISS'} {text}")
     return 0
@@ -520,6 +554,11 @@ def main() -> int:
     parser.add_argument("--compare-body-modes", action="store_true",
                         help="measure the routing filter's body modes against each other "
                         "(BUFFERED, STREAMED, FULL_DUPLEX_STREAMED) instead")
+    parser.add_argument("--policy", default=None,
+                        help="the pool's scheduling policy (default: the picker's default), "
+                        "e.g. prefix-aware")
+    parser.add_argument("--chat-tokens", type=int, default=4000,
+                        help="prompt tokens of the chat run's request (4 characters each)")
     parser.add_argument("--serve-constant-answers", nargs=2, metavar=("PORT", "DESTINATION"),
                         help=argparse.SUPPRESS)  # the floor server's own process
     args = parser.parse_args()

@@ -1,10 +1,11 @@
 """Prompt-aware routing costs: prefix hashing, the prefix index, and one whole routing decision.
 
-1. Hashing a 4,000-token chat prompt (16,000 characters over 3 messages) into chained 512-byte
-   block hashes, with the shipped xxh3-64 against chained zlib.crc32 and blake2b (8-byte digest):
-   medians in microseconds per prompt and their ratio to xxh3 (the baseline of this run).
-2. The prefix index at ``--entries`` entries: ``record`` + ``match`` per request, and bytes per
-   entry (tracemalloc, the index filled with 4-pod entries' worth of 31-block prompts).
+1. Hashing a 4,000-token chat prompt (16,000 characters over 3 messages) into chained 1 KiB
+   block hashes, with the shipped xxh3-64 against chained zlib.crc32 and blake2b (8-byte digest)
+   and against xxh3-64 over 512-byte blocks: medians in microseconds per prompt and their ratio
+   to the shipped one (the baseline of this run).
+2. The prefix index at ``--entries`` entries: ``record`` + ``match`` of the prompt's blocks per
+   request, and bytes per entry (tracemalloc; each prompt recorded for two of the pods).
 3. One routing decision (``Router.route``: read the body, estimate, hash, match, schedule,
    record) for the 4,000-token chat body at 8 pods: ``prefix-aware`` against ``filter-tree``,
    and both against a short completion prompt under ``filter-tree`` (the seed's request path).
@@ -69,17 +70,15 @@ def chat_body(rng: random.Random, model: str = "chat") -> dict:
 
 
 def crc32_chain(data: bytes) -> list[int]:
-    view, seed, out = memoryview(data), 0, []
-    for start in range(0, len(data) // BLOCK_BYTES * BLOCK_BYTES, BLOCK_BYTES):
-        seed = zlib.crc32(view[start:start + BLOCK_BYTES], seed)
-        out.append(seed)
-    return out
+    seed = 0
+    return [seed := zlib.crc32(data[start:start + BLOCK_BYTES], seed)
+            for start in range(0, len(data) // BLOCK_BYTES * BLOCK_BYTES, BLOCK_BYTES)]
 
 
 def blake2b_chain(data: bytes) -> list[int]:
-    view, previous, out = memoryview(data), b"", []
+    previous, out = b"", []
     for start in range(0, len(data) // BLOCK_BYTES * BLOCK_BYTES, BLOCK_BYTES):
-        previous = hashlib.blake2b(view[start:start + BLOCK_BYTES], digest_size=8,
+        previous = hashlib.blake2b(data[start:start + BLOCK_BYTES], digest_size=8,
                                    key=previous).digest()
         out.append(int.from_bytes(previous, "little"))
     return out
@@ -102,7 +101,7 @@ def medians(functions: dict[str, Callable[[], object]], rounds: int, batch: int
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def index_bytes_per_entry(entries: int, pods: int) -> float:
+def index_bytes_per_entry(entries: int, pods: int, blocks: int) -> float:
     """Bytes of a PrefixIndex filled with ``entries`` block hashes, per entry."""
     rng = random.Random(5)
     tracemalloc.start()
@@ -110,7 +109,7 @@ def index_bytes_per_entry(entries: int, pods: int) -> float:
     index = PrefixIndex(entries)
     names = [f"pool-pod-{i}" for i in range(pods)]
     while len(index) < entries:
-        hashes = [rng.getrandbits(64) for _ in range(31)]
+        hashes = [rng.getrandbits(64) for _ in range(blocks)]
         for name in rng.sample(names, 2):  # most blocks on one or two pods
             index.record(name, hashes)
     after = tracemalloc.get_traced_memory()[0]
@@ -154,15 +153,18 @@ def main() -> None:
         "xxh3-64 chain (shipped)": lambda: prefix_hashes(data, "chat"),
         "zlib.crc32 chain": lambda: crc32_chain(data),
         "blake2b-8 chain": lambda: blake2b_chain(data),
+        "xxh3-64 chain, 512-byte blocks": lambda: prefix_hashes(data, "chat", 512, 256),
         "chat_prompt (estimate + bytes)": lambda: chat_prompt(messages),
     }, args.rounds, args.batch)
     base = hashing["xxh3-64 chain (shipped)"]
-    print("1. hashing one 4,000-token chat prompt")
+    print(f"1. hashing one 4,000-token chat prompt ({BLOCK_BYTES}-byte blocks unless named)")
     for name, value in hashing.items():
         print(f"   {name:34} {value:8.2f} us  {value / base:5.2f}x xxh3")
 
     index = PrefixIndex(args.entries)
-    prompts = [[rng.getrandbits(64) for _ in range(31)] for _ in range(args.entries // 31 + 1)]
+    blocks = len(data) // BLOCK_BYTES
+    prompts = [[rng.getrandbits(64) for _ in range(blocks)]
+               for _ in range(args.entries // blocks + 1)]
     for number, hashes in enumerate(prompts):
         index.record(f"pod-{number % args.pods}", hashes)
     hot = prompts[-1]
@@ -173,8 +175,8 @@ def main() -> None:
         index.record(rng.choice(pods), hot)
 
     cost = medians({"record + match": record_and_match}, args.rounds, args.batch)
-    per_entry = index_bytes_per_entry(min(args.entries, 200_000), args.pods)
-    print(f"2. prefix index of {len(index)} entries: record + match of a 31-block prompt "
+    per_entry = index_bytes_per_entry(min(args.entries, 200_000), args.pods, blocks)
+    print(f"2. prefix index of {len(index)} entries: record + match of a {blocks}-block prompt "
           f"{cost['record + match']:.2f} us; {per_entry:.0f} bytes per entry "
           f"({per_entry * args.entries / 2**20:.0f} MiB at {args.entries} entries)")
 

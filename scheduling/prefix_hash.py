@@ -7,10 +7,12 @@ each model or LoRA adapter has its own cache), so equal hashes mean equal prefix
 collisions. The hashes depend on nothing but the bytes: every picker replica, and the benchmark,
 computes the same ones (never Python's ``hash()``, which is salted per process).
 
-Why xxHash3 and 512-byte blocks (``bench/bench_prefix.py`` measures it): on a 16,000-character
-chat prompt, chaining zlib.crc32 cost about 2.5x and blake2b (8-byte digest) about 10x what
-xxh3_64 costs; blocks of 512 bytes (about 128 tokens) halve the hashing and index work of 256-byte
-blocks, and 128 tokens is fine-grained enough to tell prompts of thousands of tokens apart.
+Why xxHash3 and 1 KiB blocks (``bench/bench_prefix.py`` measures it): on a 16,000-character
+chat prompt, chained zlib.crc32 cost 1.6x and blake2b (8-byte digest) 5.6x what xxh3_64 costs
+(medians, same run). At these sizes the per-block interpreter overhead (slice, call, index entry)
+is most of the cost, so the block size sets it: 1 KiB (about 256 tokens) halves the work of 512
+bytes, and the routing decision only compares pods on their leading blocks, where a coarser tail
+costs every pod alike. Prompts under 1 KiB (about 256 tokens: cheap to prefill) get no hashes.
 At most :data:`MAX_BLOCKS` blocks (128 KiB, about 32,000 tokens) are hashed, bounding the cost.
 """
 
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 import xxhash
 
-BLOCK_BYTES = 512
-MAX_BLOCKS = 256
+BLOCK_BYTES = 1024
+MAX_BLOCKS = 128
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -36,6 +38,6 @@ def prefix_hashes(data: bytes, target_model: str, block_bytes: int = BLOCK_BYTES
     if full == 0:
         return ()
     seed = model_seed(target_model)
-    # A comprehension: the per-block interpreter overhead is most of the cost at 512 bytes.
+    # A comprehension: per-block interpreter overhead is most of the cost at these sizes.
     return tuple([seed := _xxh3(data[start:start + block_bytes], seed)
                   for start in range(0, full * block_bytes, block_bytes)])

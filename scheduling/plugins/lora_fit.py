@@ -22,15 +22,9 @@ class LoraFit:
     def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
         """One score per pod: 1, 0.5 or 0."""
         target = request.target_model
-        scores = []
-        for pod in pods:
-            if target in pod.running_adapters or target in pod.waiting_adapters:
-                scores.append(1.0)
-            elif active_adapter_count(pod) < pod.max_lora:
-                scores.append(0.5)
-            else:
-                scores.append(0.0)
-        return scores
+        return [1.0 if target in pod.running_adapters or target in pod.waiting_adapters
+                else 0.5 if active_adapter_count(pod) < pod.max_lora else 0.0
+                for pod in pods]
 
 
 def create(params: Mapping[str, Any], rng: random.Random) -> LoraFit:

@@ -133,11 +133,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Prompt-aware scheduling (issue 11, docs/scheduling.md).
     parser.add_argument("--prefix-index-entries", type=_non_negative,
                         default=DEFAULT_PREFIX_ENTRIES, metavar="N",
-                        help="per pool, the most prompt block hashes the approximate prefix "
-                        "index keeps (least recently routed dropped first; about 150 bytes "
-                        "each, see bench/bench_prefix.py); the prefix_affinity scorer of the "
-                        "prefix-aware policy reads it. 0 turns the index off. Default "
-                        f"{DEFAULT_PREFIX_ENTRIES}")
+                        help="per pool, the most prompt block hashes (1 KiB of prompt, about "
+                        "256 tokens, each) the approximate prefix index keeps, least recently "
+                        "routed dropped first; about 200 bytes each (bench/bench_prefix.py). "
+                        "The prefix_affinity scorer of the prefix-aware policy reads it; 0 "
+                        f"turns the index off. Default {DEFAULT_PREFIX_ENTRIES} (about 16M "
+                        "prompt tokens, more than the KV caches of a typical pool hold)")
     add_tls_arguments(parser)
     add_nats_arguments(parser)
     add_logging_arguments(parser)

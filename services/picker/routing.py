@@ -168,7 +168,7 @@ class ModelRoute(msgspec.Struct, frozen=True):
         return self.targets[bisect.bisect_right(self.cumulative, point)]
 
 
-DEFAULT_PREFIX_ENTRIES = 200_000
+DEFAULT_PREFIX_ENTRIES = 65_536  # ~200 bytes each (bench/bench_prefix.py): ~13 MiB a pool
 
 
 class Router:
