@@ -23,8 +23,13 @@ from collections.abc import Sequence
 
 import msgspec
 
+from scheduling.prefix_hash import BLOCK_BYTES, MAX_BLOCKS
+
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4
+# Only this many bytes are ever hashed; a character is at least one byte, so keeping this many
+# characters of text is enough, and a huge prompt costs its length, not an encoding of it all.
+HASHED_BYTES = BLOCK_BYTES * MAX_BLOCKS
 
 
 class ContentPart(msgspec.Struct):
@@ -65,7 +70,7 @@ def completion_prompt(prompt: CompletionPrompt | None) -> PromptDigest:
     if prompt is None:
         return NO_PROMPT
     if isinstance(prompt, str):
-        return PromptDigest(text_tokens(len(prompt)), prompt.encode("utf-8", "surrogatepass"))
+        return PromptDigest(text_tokens(len(prompt)), _utf8(prompt[:HASHED_BYTES]))
     if not prompt:
         return NO_PROMPT
     first = prompt[0]
@@ -80,7 +85,7 @@ def completion_prompt(prompt: CompletionPrompt | None) -> PromptDigest:
         else:  # a bare id mixed into a batch: one token, as vLLM would reject it anyway
             tokens += 1
     first_text = isinstance(first, str)
-    data = first.encode("utf-8", "surrogatepass") if first_text else _ids_bytes(first)
+    data = _utf8(first[:HASHED_BYTES]) if first_text else _ids_bytes(first)
     return PromptDigest(tokens, data)
 
 
@@ -90,6 +95,7 @@ def chat_prompt(messages: Sequence[Message] | None) -> PromptDigest:
         return NO_PROMPT
     pieces: list[str] = []
     chars = 0
+    kept = 0  # characters in pieces: past HASHED_BYTES, messages are only counted
     for message in messages:
         content = message.content
         if content is None:
@@ -99,16 +105,25 @@ def chat_prompt(messages: Sequence[Message] | None) -> PromptDigest:
         else:
             text = "\n".join([part.text for part in content if part.text is not None])
         chars += len(text)
-        pieces.append(f"{message.role}\x00{text}\x1e")
+        if kept < HASHED_BYTES:
+            piece = f"{message.role}\x00{text}\x1e"
+            pieces.append(piece)
+            kept += len(piece)
     tokens = text_tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(messages)
-    return PromptDigest(tokens, "".join(pieces).encode("utf-8", "surrogatepass"))
+    return PromptDigest(tokens, _utf8("".join(pieces)[:HASHED_BYTES]))
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8, with lone surrogates (valid in JSON escapes) passed through rather than refused."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _ids_bytes(ids: Sequence[int | str | list[int]]) -> bytes:
-    """Token ids as 4-byte little-endian unsigned integers; no bytes when one does not fit
-    (or is not an int): such a prompt gets no prefix hashes, which only costs affinity."""
+    """Token ids as 4-byte little-endian unsigned integers (as many as get hashed); no bytes
+    when one does not fit (or is not an int): such a prompt gets no prefix hashes, which only
+    costs affinity."""
     try:
-        packed = array.array("I", ids)  # type: ignore[arg-type]
+        packed = array.array("I", ids[:HASHED_BYTES // 4])  # type: ignore[arg-type]
     except (OverflowError, TypeError):
         return b""
     if packed.itemsize != 4:  # pragma: no cover - every CPython platform we run on has 4

@@ -249,3 +249,19 @@ def test_prefix_aware_is_named_but_not_the_default() -> None:
 
     assert "prefix-aware" in policy_names()
     assert policy_names()[0] == "filter-tree" == PolicyConfig().name
+
+
+def test_a_huge_prompt_is_counted_whole_but_hashed_only_as_far_as_needed() -> None:
+    from scheduling.prompt import HASHED_BYTES
+
+    huge = "z" * (HASHED_BYTES * 4)
+    assert completion_prompt(huge).tokens == HASHED_BYTES
+    assert len(completion_prompt(huge).data) == HASHED_BYTES
+    chat = chat_prompt([Message("user", huge), Message("user", huge)])
+    assert chat.tokens == 2 * HASHED_BYTES + 2 * MESSAGE_OVERHEAD_TOKENS
+    assert len(chat.data) == HASHED_BYTES
+    assert len(completion_prompt(list(range(HASHED_BYTES))).data) == HASHED_BYTES
+    # Truncation never changes the hashes: they cover at most HASHED_BYTES anyway.
+    full = ("ab" * HASHED_BYTES).encode()
+    assert prefix_hashes(completion_prompt("ab" * HASHED_BYTES).data, "m") == prefix_hashes(
+        full, "m")
