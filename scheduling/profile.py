@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from operator import mul
 from typing import Annotated, Any
 
 import msgspec
@@ -71,6 +72,8 @@ class ProfilePolicy:
         self.name = name
         self._filters = tuple(filters)
         self._scorers = tuple(scorers)
+        self._scorer_list = tuple(scorer for _, _, scorer in scorers)
+        self._weights = tuple(weight for _, weight, _ in scorers)
         self._pick = picker.pick
         self._picker_name = picker_name
 
@@ -94,13 +97,10 @@ class ProfilePolicy:
                                        "next" if kept else "passed input on"))
             if kept:
                 pods = kept
-        totals = [0.0] * len(pods)
-        columns: list[tuple[str, list[float]]] = []
-        for name, weight, scorer in self._scorers:
-            scores = scorer.score(request, pods)
-            totals = [total + weight * score for total, score in zip(totals, scores, strict=True)]
-            if trace is not None:
-                columns.append((name, scores))
+        columns = [scorer.score(request, pods) for scorer in self._scorer_list]
+        weights = self._weights
+        # One pass per pod over the transposed columns: cheaper than one pass per scorer.
+        totals = [sum(map(mul, weights, row)) for row in zip(*columns, strict=True)]
         best = max(totals)
         kept = [pod for pod, total in zip(pods, totals, strict=True) if total >= best - _TIE]
         pick = self._pick(request, kept)
@@ -109,7 +109,9 @@ class ProfilePolicy:
         trace.append(StepTrace("weighted scores", _names(pods), _names(kept), "next"))
         trace.append(StepTrace(self._picker_name, _names(kept), (pick.name,), "done"))
         scored = tuple(
-            PodScore(pod.name, totals[index], {name: scores[index] for name, scores in columns})
+            PodScore(pod.name, totals[index],
+                     {name: column[index] for (name, _, _), column in zip(
+                         self._scorers, columns, strict=True)})
             for index, pod in enumerate(pods))
         return Decision(pick=pick, candidates=tuple(kept), steps=tuple(trace), scores=scored)
 

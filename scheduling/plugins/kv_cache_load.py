@@ -17,7 +17,8 @@ class KvCacheLoad:
 
     def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
         """One score per pod, 0..1 (usage outside 0..1 is clamped)."""
-        return [min(1.0, max(0.0, 1.0 - pod.kv_cache_usage)) for pod in pods]
+        usages = [pod.kv_cache_usage for pod in pods]
+        return [(1.0 - usage if usage < 1.0 else 0.0) if usage > 0.0 else 1.0 for usage in usages]
 
 
 def create(params: Mapping[str, Any], rng: random.Random) -> KvCacheLoad:

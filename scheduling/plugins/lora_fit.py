@@ -22,8 +22,11 @@ class LoraFit:
     def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
         """One score per pod: 1, 0.5 or 0."""
         target = request.target_model
+        # Waiting adapters are rare: count slots without a call unless there are some.
         return [1.0 if target in pod.running_adapters or target in pod.waiting_adapters
-                else 0.5 if active_adapter_count(pod) < pod.max_lora else 0.0
+                else 0.5 if (active_adapter_count(pod) if pod.waiting_adapters
+                             else len(pod.running_adapters)) < pod.max_lora
+                else 0.0
                 for pod in pods]
 
 
