@@ -50,3 +50,15 @@ def test_the_filter_tree_shows_no_scores(tmp_path, capsys) -> None:
     args[args.index("prefix-aware")] = "filter-tree"
     assert main([*args, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["scores"] == []
+
+
+def test_the_prefix_example_shows_the_load_margin(capsys) -> None:
+    examples = Path(__file__).resolve().parents[1] / "examples" / "explain"
+    assert main(["explain", "--pods", str(examples / "prefix-pods.json"), "--request",
+                 str(examples / "prefix-request.json"), "--policy", "prefix-aware",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    scores = {entry["pod"]: entry["scores"] for entry in result["scores"]}
+    assert scores["vllm-3"]["prefix_affinity"] == 0.0  # whole prefix, but 12 waiting > margin
+    assert scores["vllm-1"]["prefix_affinity"] == 1.0
+    assert result["pick"] == "vllm-1"
