@@ -24,10 +24,10 @@ from typing import Annotated, Any
 
 import msgspec
 
+from scheduling.catalog import create_plugin
 from scheduling.params import PolicyConfigError, parse_params
 from scheduling.plugin import FilterFailed, NoParams, Picker, ShedRequest
 from scheduling.profile import build_profile
-from scheduling.registry import create_plugin
 from scheduling.tree import Node, build_tree, run_tree
 from scheduling.types import (
     Decision,

@@ -22,9 +22,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from scheduling.catalog import create_plugin
 from scheduling.params import PolicyConfigError, parse_params
 from scheduling.plugin import Filter, FilterFailed, Picker, Scorer, ShedRequest
-from scheduling.registry import create_plugin
 from scheduling.types import Decision, PodScore, PodView, SchedulingRequest, StepTrace
 
 

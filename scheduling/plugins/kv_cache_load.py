@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -21,7 +19,4 @@ class KvCacheLoad:
         return [(1.0 - usage if usage < 1.0 else 0.0) if usage > 0.0 else 1.0 for usage in usages]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> KvCacheLoad:
-    """Build the scorer (it takes no parameters)."""
-    no_params(params, "kv_cache_load")
-    return KvCacheLoad()
+PLUGIN = PluginRecord("kv_cache_load", "scorer", KvCacheLoad)

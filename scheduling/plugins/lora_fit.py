@@ -5,11 +5,9 @@ in the filter tree."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.plugins.can_accept_lora import active_adapter_count
 from scheduling.types import PodView, SchedulingRequest
 
@@ -30,7 +28,4 @@ class LoraFit:
                 for pod in pods]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> LoraFit:
-    """Build the scorer (it takes no parameters)."""
-    no_params(params, "lora_fit")
-    return LoraFit()
+PLUGIN = PluginRecord("lora_fit", "scorer", LoraFit)

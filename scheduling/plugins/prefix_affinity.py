@@ -10,13 +10,12 @@ every request to one pod (the hot spot other routers' users report) while its pe
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 
-from scheduling.params import parse_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -32,8 +31,8 @@ class PrefixAffinity:
 
     __slots__ = ("_margin",)
 
-    def __init__(self, params: PrefixAffinityParams) -> None:
-        self._margin = params.load_margin
+    def __init__(self, load_margin: int) -> None:
+        self._margin = load_margin
 
     def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
         """One score per pod, 0..1."""
@@ -46,6 +45,4 @@ class PrefixAffinity:
                 for pod in pods]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> PrefixAffinity:
-    """Build the scorer from ``load_margin``."""
-    return PrefixAffinity(parse_params(params, PrefixAffinityParams, "plugin 'prefix_affinity'"))
+PLUGIN = PluginRecord("prefix_affinity", "scorer", PrefixAffinity, PrefixAffinityParams)

@@ -6,11 +6,9 @@ longest, 1 for all when they are equal), as the Inference Extension's queue scor
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -29,7 +27,4 @@ class QueueLoad:
         return [(high - queue) / span for queue in queues]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> QueueLoad:
-    """Build the scorer (it takes no parameters)."""
-    no_params(params, "queue_load")
-    return QueueLoad()
+PLUGIN = PluginRecord("queue_load", "scorer", QueueLoad)

@@ -8,12 +8,9 @@ kv_cache_threshold``, upstream's thresholds, as ``sheddable_capacity``); with no
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.params import parse_params
-from scheduling.plugin import ShedRequest
+from scheduling.plugin import PluginRecord, ShedRequest
 from scheduling.plugins.sheddable_capacity import SheddableCapacity, SheddableCapacityParams
 from scheduling.types import PodView, SchedulingRequest
 from shared.schemas import Criticality
@@ -24,8 +21,8 @@ class SheddableGate:
 
     __slots__ = ("_capacity",)
 
-    def __init__(self, params: SheddableCapacityParams) -> None:
-        self._capacity = SheddableCapacity(params.queue_threshold, params.kv_cache_threshold)
+    def __init__(self, queue_threshold: int, kv_cache_threshold: float) -> None:
+        self._capacity = SheddableCapacity(queue_threshold, kv_cache_threshold)
 
     def filter(self, request: SchedulingRequest, pods: Sequence[PodView]) -> Sequence[PodView]:
         """``pods`` for a non-sheddable request; the pods with capacity for a sheddable one."""
@@ -37,7 +34,4 @@ class SheddableGate:
         return kept
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> SheddableGate:
-    """Build the filter from ``queue_threshold`` and ``kv_cache_threshold``."""
-    return SheddableGate(
-        parse_params(params, SheddableCapacityParams, "plugin 'sheddable_gate'"))
+PLUGIN = PluginRecord("sheddable_gate", "filter", SheddableGate, SheddableCapacityParams)

@@ -8,13 +8,12 @@ work they are (a request count treats them alike).
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 
-from scheduling.params import parse_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -29,8 +28,8 @@ class TokenLoad:
 
     __slots__ = ("_scale",)
 
-    def __init__(self, params: TokenLoadParams) -> None:
-        self._scale = float(params.token_scale)
+    def __init__(self, token_scale: int) -> None:
+        self._scale = float(token_scale)
 
     def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
         """One score per pod, in (0, 1]."""
@@ -38,6 +37,4 @@ class TokenLoad:
         return [scale / (scale + pod.unreported_tokens) for pod in pods]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> TokenLoad:
-    """Build the scorer from ``token_scale``."""
-    return TokenLoad(parse_params(params, TokenLoadParams, "plugin 'token_load'"))
+PLUGIN = PluginRecord("token_load", "scorer", TokenLoad, TokenLoadParams)
