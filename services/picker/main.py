@@ -137,8 +137,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "256 tokens, each) the approximate prefix index keeps, least recently "
                         "routed dropped first; about 200 bytes each (bench/bench_prefix.py). "
                         "The prefix_affinity scorer of the prefix-aware policy reads it; 0 "
-                        f"turns the index off. Default {DEFAULT_PREFIX_ENTRIES} (about 16M "
-                        "prompt tokens, more than the KV caches of a typical pool hold)")
+                        "turns the index off. The default tracks about 16M prompt tokens, more "
+                        "than the KV caches of a typical pool hold")
     add_tls_arguments(parser)
     add_nats_arguments(parser)
     add_logging_arguments(parser)
