@@ -9,7 +9,8 @@ from __future__ import annotations
 import bisect
 import logging
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 import msgspec
 
@@ -70,7 +71,7 @@ _decode_model = msgspec.json.Decoder(ModelField).decode
 # client put elsewhere (numbers beyond float range, any nesting msgspec can skip) passes through
 # byte for byte, as it does for a request that is not rewritten.
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_NO_HITS: dict[str, int] = {}  # never mutated: shared by requests without prefix hashes
+_NO_HITS: Mapping[str, int] = MappingProxyType({})  # requests without prefix hashes
 _BOM = b"\xef\xbb\xbf"  # RFC 8259 lets a parser ignore it; Python's json (vLLM's) does
 
 
