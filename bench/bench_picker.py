@@ -24,6 +24,9 @@ A run with a ``--chat-tokens`` (4,000) chat prompt measures the prompt-aware req
 picker reads, estimates and hashes every prompt, matches and records it in the pool's prefix
 index); ``--policy prefix-aware`` runs the pool on the scorer pipeline that uses them (issue 11
 target: <= 150 us CPU per request with everything on, >= 0.25x the static route's throughput).
+``--seed-rev REV`` (default: main before the picker read prompts) adds a third picker running
+that revision's code (from git) behind its own Envoy: the same requests on the seed's request
+path, in the same run, so the ratio shows what reading prompts costs.
 
 Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]
 [--compare-body-modes] [--policy prefix-aware] [--chat-tokens 4000]``.
@@ -62,6 +65,8 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 POOL = "bench"
+SEED_REV = "b065d8c"  # main just before the picker read prompts (issue 11)
+ROOT = Path(__file__).resolve().parents[1]
 PODS = 2
 PROMPT = "Summarise the benefits of load balancing for LLM inference. " * 4
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -230,9 +235,12 @@ class Stack:
     """NATS, upstream processes, one picker, one Envoy with gateway and baseline listeners."""
 
     def __init__(self, workdir: Path, body_modes: bool = False,
-                 policy: str | None = None) -> None:
+                 policy: str | None = None, seed_rev: str | None = None) -> None:
         self.workdir = workdir
         self.policy = policy  # the pool's scheduling policy (None: the picker's default)
+        self.seed_rev = seed_rev  # also run a picker of this git revision (None: not)
+        self.seed_picker: PickerProcess | None = None
+        self.seed_envoy: EnvoyProcess | None = None
         self.body_modes = body_modes  # one Envoy per body mode, instead of the usual parts
         self.mode_envoys: dict[str, EnvoyProcess] = {}
         self.nats = NatsServer(workdir / "jetstream")
@@ -284,6 +292,14 @@ class Stack:
         self.aio_envoy = EnvoyProcess(envoy_config(
             listener_port=free_port(), admin_port=free_port(), pickers=[self.aio_picker.endpoint],
             listener_host="127.0.0.1"), self.workdir).start()
+        if self.seed_rev:
+            self.seed_picker = PickerProcess(
+                POOL, self.nats.url, self.workdir, log_level="WARNING",
+                env=seed_environment(self.seed_rev, self.workdir / "seed")).start().wait_ready()
+            self.seed_envoy = EnvoyProcess(envoy_config(
+                listener_port=free_port(), admin_port=free_port(),
+                pickers=[self.seed_picker.endpoint], listener_host="127.0.0.1"),
+                self.workdir).start()
         self.floor = subprocess.Popen(
             [sys.executable, __file__, "--serve-constant-answers", str(self.floor_port),
              addresses["pod-0"]], preexec_fn=die_with_parent)
@@ -296,7 +312,7 @@ class Stack:
 
     def stop(self) -> None:
         for part in (self.envoy, self.aio_envoy, self.floor_envoy, *self.mode_envoys.values(),
-                     self.picker, self.aio_picker):
+                     self.seed_envoy, self.picker, self.aio_picker, self.seed_picker):
             if part is not None:
                 part.stop()
         if self.floor is not None:
@@ -308,6 +324,16 @@ class Stack:
             process.terminate()
             process.wait(5)
         self.nats.stop()
+
+
+def seed_environment(rev: str, folder: Path) -> dict[str, str]:
+    """The environment that runs ``lig`` as it was at ``rev``: that tree, from git, first on the
+    import path (PYTHONSAFEPATH keeps the current directory's code off it)."""
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True,
+                             check=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True, timeout=120)
+    return {"PYTHONPATH": str(folder), "PYTHONSAFEPATH": "1"}
 
 
 def add_baseline_listener(config: dict[str, Any], port: int, upstream_ports: list[int]) -> None:
@@ -408,7 +434,10 @@ async def measure(stack: Stack, target: str, mode: str, payload: bytes,
         port, pid = {"picker": (stack.envoy.listen_port, stack.picker.pid),
                      "baseline": (stack.baseline_port, 0),
                      "picker-aio": (stack.aio_envoy.listen_port, stack.aio_picker.pid),
-                     "floor": (stack.floor_envoy.listen_port, stack.floor.pid)}[target]
+                     "floor": (stack.floor_envoy.listen_port, stack.floor.pid),
+                     **({"picker-seed": (stack.seed_envoy.listen_port, stack.seed_picker.pid)}
+                        if stack.seed_envoy is not None and stack.seed_picker is not None
+                        else {})}[target]
     cpu_before = cpu_seconds(pid) if pid else 0.0
     if mode == "closed":
         result = await closed_loop(port, payload, args.connections, args.duration,
@@ -471,15 +500,21 @@ async def run(args: argparse.Namespace) -> int:
     if args.compare_body_modes:
         return await run_body_modes(args)
     with tempfile.TemporaryDirectory() as workdir:
-        stack = Stack(Path(workdir), policy=args.policy).start()
+        stack = Stack(Path(workdir), policy=args.policy, seed_rev=args.seed_rev or None).start()
         try:
             plain, alias = request_bytes("bench-model"), request_bytes("bench-alias")
             chat = chat_bytes("bench-model", args.chat_tokens)
             # Warm up every path (connections, caches) before measuring.
             assert stack.envoy and stack.aio_envoy and stack.floor_envoy
-            for port in (stack.envoy.listen_port, stack.aio_envoy.listen_port,
-                         stack.floor_envoy.listen_port, stack.baseline_port):
+            ports = [stack.envoy.listen_port, stack.aio_envoy.listen_port,
+                     stack.floor_envoy.listen_port, stack.baseline_port]
+            if stack.seed_envoy is not None:
+                ports.append(stack.seed_envoy.listen_port)
+            for port in ports:
                 await closed_loop(port, plain, 4, 1.0, 500)
+            seed_runs = (("seed picker closed", "picker-seed", "closed", plain),
+                         ("seed picker closed, chat", "picker-seed", "closed", chat),
+                         ) if stack.seed_envoy is not None else ()
             results: dict[str, list[Sample]] = {}
             for _ in range(args.rounds):
                 for name, target, mode, payload in (
@@ -494,6 +529,7 @@ async def run(args: argparse.Namespace) -> int:
                     ("grpc.aio floor open", "floor", "open", plain),
                     ("baseline closed, chat", "baseline", "closed", chat),
                     ("picker closed, chat", "picker", "closed", chat),
+                    *seed_runs,
                 ):
                     results.setdefault(name, []).append(
                         await measure(stack, target, mode, payload, args))
@@ -532,6 +568,13 @@ def report(results: dict[str, list[Sample]], args: argparse.Namespace) -> int:
     print(f"{args.chat_tokens}-token chat prompt, policy {args.policy or 'default'}: picker CPU "
           f"{chat_cpu:.0f} us/request ({chat_cpu / cpu:.2f}x the short prompt's), throughput "
           f"{chat_ratio:.2f}x the static route's")
+    if "seed picker closed, chat" in results:
+        seed_chat = median(results["seed picker closed, chat"], "picker_cpu_us")
+        seed_plain = median(results["seed picker closed"], "picker_cpu_us")
+        print(f"seed picker ({args.seed_rev}, prompts not read), same run: {seed_chat:.0f} us per "
+              f"chat request, {seed_plain:.0f} us per short one; reading the chat prompt costs "
+              f"{chat_cpu - seed_chat:+.0f} us ({chat_cpu / seed_chat:.2f}x), the short prompt "
+              f"{cpu - seed_plain:+.0f} us ({cpu / seed_plain:.2f}x)")
     checks += [
         (f"chat prompt CPU per request {chat_cpu:.0f} us <= 150 us", chat_cpu <= 150),
         (f"chat prompt throughput {chat_ratio:.2f}x >= 0.25x the static route's",
@@ -557,6 +600,9 @@ def main() -> int:
     parser.add_argument("--policy", default=None,
                         help="the pool's scheduling policy (default: the picker's default), "
                         "e.g. prefix-aware")
+    parser.add_argument("--seed-rev", default=SEED_REV,
+                        help="git revision of the seed picker measured beside this one ('' to "
+                        "skip)")
     parser.add_argument("--chat-tokens", type=int, default=4000,
                         help="prompt tokens of the chat run's request (4 characters each)")
     parser.add_argument("--serve-constant-answers", nargs=2, metavar=("PORT", "DESTINATION"),
