@@ -13,6 +13,8 @@ import pytest
 from shared.schemas import PolicyConfig
 from tests.test_picker_e2e import BUSY, IDLE, Stack, build_stack
 
+pytestmark = pytest.mark.process  # real NATS, Envoy, picker and upstream processes
+
 GROUPS = 6
 QUESTIONS = 4
 SYSTEM = "You are the support assistant of fleet {group}; answer briefly and cite the manual. "
