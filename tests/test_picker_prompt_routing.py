@@ -104,15 +104,24 @@ def test_unreported_tokens_reach_the_views() -> None:
     {"model": "chat", "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
     {"model": "chat", "prompt": {"not": "a prompt"}},
     {"model": "chat", "prompt": "x", "max_tokens": 1.5},
-    {"model": "chat", "prompt": [1, "mixed", [2]], "max_tokens": 10**30},
 ])
 def test_odd_prompt_fields_are_routed_on_the_model_alone(document: dict) -> None:
     """Prompt fields of an unexpected shape are the model server's to refuse, not the picker's
     (as before it read prompts): routed, no prompt estimate."""
     fleet = prefix_fleet()
     result = routed(fleet, document)
-    assert result.prompt_tokens == 0 or document.get("prompt") == [1, "mixed", [2]]
-    assert result.prefix_hashes == ()
+    assert (result.prompt_tokens, result.max_tokens, result.prefix_hashes) == (0, 0, ())
+
+
+def test_odd_but_decodable_prompts_are_estimated_and_limits_bounded() -> None:
+    """A batch mixing ids and text is counted (no hashes: its first item is not a prompt of
+    ids only); a completion limit beyond 32 bits is clamped so that events carrying it encode."""
+    fleet = prefix_fleet()
+    result = routed(fleet, {"model": "chat", "prompt": [1, "mixed", [2]],
+                            "max_completion_tokens": 10**30})
+    assert (result.prompt_tokens, result.prefix_hashes) == (3, ())
+    assert result.max_tokens == 2**31 - 1
+    assert routed(fleet, {"model": "chat", "prompt": "x", "max_tokens": -5}).max_tokens == 0
 
 
 def test_a_rewrite_keeps_messages_byte_for_byte() -> None:

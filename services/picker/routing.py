@@ -62,8 +62,13 @@ class RequestFields(ModelField):
         limit = self.max_completion_tokens
         if limit is None:
             limit = self.max_tokens
-        return limit if limit is not None and limit > 0 else 0
+        if limit is None or limit <= 0:
+            return 0
+        # JSON integers are unbounded; events carrying this must fit 64-bit encodings.
+        return min(limit, MAX_COMPLETION_LIMIT)
 
+
+MAX_COMPLETION_LIMIT = 2**31 - 1
 
 _decode_fields = msgspec.json.Decoder(RequestFields).decode
 _decode_model = msgspec.json.Decoder(ModelField).decode
