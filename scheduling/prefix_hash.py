@@ -8,11 +8,12 @@ collisions. The hashes depend on nothing but the bytes: every picker replica, an
 computes the same ones (never Python's ``hash()``, which is salted per process).
 
 Why xxHash3 and 1 KiB blocks (``bench/bench_prefix.py`` measures it): on a 16,000-character
-chat prompt, chained zlib.crc32 cost 1.6x and blake2b (8-byte digest) 5.6x what xxh3_64 costs
-(medians, same run). At these sizes the per-block interpreter overhead (slice, call, index entry)
-is most of the cost, so the block size sets it: 1 KiB (about 256 tokens) halves the work of 512
-bytes, and the routing decision only compares pods on their leading blocks, where a coarser tail
-costs every pod alike. Prompts under 1 KiB (about 256 tokens: cheap to prefill) get no hashes.
+chat prompt, chained zlib.crc32 cost 1.8x and blake2b (8-byte digest) 5.9x what xxh3_64 costs
+(14 us; medians of one run on a shared machine). At these sizes the per-block interpreter
+overhead (slice, call, index entry) is most of the cost, so the block size sets it: 512-byte
+blocks cost 1.4x 1 KiB ones (about 256 tokens each), and the routing decision only compares pods
+on their leading blocks, where a coarser tail costs every pod alike. Prompts under 1 KiB (about
+256 tokens: cheap to prefill) get no hashes.
 At most :data:`MAX_BLOCKS` blocks (128 KiB, about 32,000 tokens) are hashed, bounding the cost.
 """
 
