@@ -2,8 +2,12 @@
 
 Pods file: a JSON list of objects with ``name`` (required), ``address``, ``waiting``, ``running``,
 ``kv_cache_usage`` (0..1), ``running_adapters``, ``waiting_adapters``, ``max_lora`` and
-``in_flight``. Request file: an object with ``model``, optional ``target_model`` (defaults to
-``model``) and ``criticality`` (Critical | Standard | Sheddable, default Standard).
+``in_flight``, ``unreported_tokens``. Request file: an object with ``model``, optional
+``target_model`` (defaults to ``model``) and ``criticality`` (Critical | Standard | Sheddable,
+default Standard); for prompt-aware policies also ``prompt_tokens``, ``max_tokens``,
+``prefix_blocks`` (how many blocks of the prompt were hashed) and ``prefix_hits`` (pod name ->
+leading blocks the prefix index believes it holds). Scorer pipelines (``prefix-aware``) also
+show every candidate's weighted total and each scorer's score.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import msgspec
 
 from scheduling import (
     Decision,
+    PodScore,
     PodView,
     PolicyConfigError,
     SchedulingRequest,
@@ -43,14 +48,24 @@ class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     waiting_adapters: list[str] = []
     max_lora: NonNegativeInt = 0
     in_flight: NonNegativeInt = 0
+    unreported_tokens: NonNegativeInt = 0
 
 
 class RequestEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The request file."""
+    """The request as the output echoes it."""
 
     model: str
     target_model: str | None = None
     criticality: Criticality = Criticality.STANDARD
+
+
+class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
+    """The request file: the echoed fields plus what prompt-aware policies read."""
+
+    prompt_tokens: NonNegativeInt = 0
+    max_tokens: NonNegativeInt = 0
+    prefix_blocks: NonNegativeInt = 0
+    prefix_hits: dict[str, NonNegativeInt] = {}
 
 
 class InputError(Exception):
@@ -66,6 +81,7 @@ class ExplainOutput(msgspec.Struct):
     pick: str | None
     shed: bool
     steps: list[StepTrace]
+    scores: list[PodScore] = []
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the policy once and print the explanation; 2 on bad input."""
     try:
         pods = _read_pods(args.pods)
-        request = _read(args.request, RequestEntry)
+        request = _read(args.request, RequestFile)
         params = _parse_params(args.param)
         policy = build_policy(PolicyConfig(name=args.policy, params=params), _rng(args.seed))
     except InputError as exc:
@@ -102,9 +118,15 @@ def run(args: argparse.Namespace) -> int:
         model=request.model,
         target_model=request.target_model or request.model,
         criticality=request.criticality,
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        # Stand-in hashes: a policy reads only how many blocks there are and the hits.
+        prefix_hashes=tuple(range(request.prefix_blocks)),
+        prefix_hits={pod: min(hits, request.prefix_blocks)
+                     for pod, hits in request.prefix_hits.items()},
     )
     decision = policy.schedule(scheduling_request, pods, explain=True)
-    resolved = msgspec.structs.replace(request, target_model=scheduling_request.target_model)
+    resolved = RequestEntry(request.model, scheduling_request.target_model, request.criticality)
     if args.json:
         output = ExplainOutput(
             policy=policy.name,
@@ -113,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             pick=decision.pick.name if decision.pick else None,
             shed=decision.shed,
             steps=list(decision.steps),
+            scores=list(decision.scores),
         )
         print(msgspec.json.encode(output).decode())
     else:
@@ -157,6 +180,7 @@ def _read_pods(path: Path) -> list[PodView]:
                 waiting_adapters=frozenset(entry.waiting_adapters),
                 max_lora=entry.max_lora,
                 in_flight=entry.in_flight,
+                unreported_tokens=entry.unreported_tokens,
             )
         )
     return pods
@@ -191,6 +215,8 @@ def _render(policy: str, request: RequestEntry, pod_count: int, decision: Decisi
             outcome = f"{len(step.entered)} in -> {len(step.kept)} kept"
             kept = f" [{_names(step.kept)}]" if step.kept else ""
             lines.append(f"  {number:>2}. {step.step:<{width}}  {outcome}{kept}  {step.branch}")
+    if decision.scores:
+        lines.extend(_score_table(decision.scores))
     lines.append(f"candidates: {_names(tuple(pod.name for pod in decision.candidates)) or '-'}")
     if decision.pick is not None:
         lines.append(f"pick: {decision.pick.name} ({decision.pick.address or 'no address'})")
@@ -201,6 +227,16 @@ def _render(policy: str, request: RequestEntry, pod_count: int, decision: Decisi
     else:
         lines.append("pick: none - no candidate left (the picker answers 503)")
     return "\n".join(lines)
+
+
+def _score_table(scores: tuple[PodScore, ...]) -> list[str]:
+    """Scores per pod, best total first: ``pod  total  scorer=score ...``."""
+    width = max(len(entry.pod) for entry in scores)
+    lines = ["scores (weighted total; each scorer's score):"]
+    for entry in sorted(scores, key=lambda entry: -entry.total):
+        parts = "  ".join(f"{name}={value:.3f}" for name, value in entry.scores.items())
+        lines.append(f"  {entry.pod:<{width}}  {entry.total:7.3f}  {parts}")
+    return lines
 
 
 def _names(names: tuple[str, ...]) -> str:

@@ -79,7 +79,8 @@ def build_gateway(settings: PickerSettings, metrics: PickerMetrics) -> Gateway:
                                       on_exclude=lambda pod, reason:
                                       metrics.gray_exclusions.labels(pod, reason).inc()))
         return Router(pool, pods, rng, on_all_stale=metrics.all_stale.inc,
-                      fallbacks=settings.fallbacks)
+                      fallbacks=settings.fallbacks,
+                      prefix_entries=settings.prefix_index_entries)
 
     unknown = UnknownModels(reject=settings.reject_unknown_models,
                             default_pool=settings.default_pool)

@@ -177,7 +177,7 @@ class Processor:
                                  "member of the pool; it stays accounted to %s", served,
                                  routed.pod)
             return routed
-        pods.served_elsewhere(routed.pod, member.name)
+        pods.served_elsewhere(routed.pod, member.name, routed.prompt_tokens)
         self.metrics.count_served_elsewhere()
         return msgspec.structs.replace(routed, pod=member.name, endpoint=served)
 

@@ -33,8 +33,8 @@ from services.picker.routing import (
     Rejected,
     Routed,
     Router,
+    read_request,
     reject,
-    requested_model,
 )
 from services.picker.state import Freshness, PodTable
 from shared.registry_view import RegistryChanges, RegistryView
@@ -184,15 +184,16 @@ class Gateway:
               objective: str | None = None) -> Routed | Rejected:
         """Decide where a request with this JSON ``body`` goes (``subset`` and ``objective``:
         see :meth:`Router.route`)."""
-        requested = requested_model(body)
-        if isinstance(requested, Rejected):
-            return requested
+        fields = read_request(body)
+        if isinstance(fields, Rejected):
+            return fields
+        requested = fields.model or ""
         pool = self.owner.get(requested)
         if pool is not None:
-            return self.routers[pool].route_model(body, requested, subset, objective)
+            return self.routers[pool].route_model(body, requested, subset, objective, fields)
         router = self._default_router()
         if router is not None:
-            return router.route_model(body, requested, subset, objective)
+            return router.route_model(body, requested, subset, objective, fields)
         quoted = msgspec.json.encode(requested).decode()
         reason = (" (registered in several pools: " + ", ".join(self.conflicts[requested].pools)
                   + ")" if requested in self.conflicts else "")
@@ -255,7 +256,7 @@ class Gateway:
         """A request was sent to ``routed``'s pod."""
         pods = self.table(routed.pool)
         if pods is not None:
-            pods.started(routed.pod)
+            pods.started(routed.pod, routed.prompt_tokens)
 
     def finished(self, routed: Routed) -> None:
         """The request sent to ``routed``'s pod has ended."""

@@ -30,8 +30,10 @@ class PickerProcess:
     """One picker subprocess; ``endpoint`` is what Envoy's picker cluster needs."""
 
     def __init__(self, pool: str, nats_url: str, workdir: Path, stale_after: float = 1.0,
-                 extra_args: tuple[str, ...] = (), log_level: str = "INFO") -> None:
+                 extra_args: tuple[str, ...] = (), log_level: str = "INFO",
+                 env: dict[str, str] | None = None) -> None:
         self.pool = pool
+        self.env = env or {}  # added to the environment (e.g. PYTHONPATH of an older revision)
         self.nats_url = nats_url
         self.grpc_port = free_port()
         self.health_port = free_port()
@@ -60,7 +62,8 @@ class PickerProcess:
         """Start the process (returns at once; see :meth:`wait_ready`)."""
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                 **self.env},
                                             preexec_fn=die_with_parent)
         return self
 
