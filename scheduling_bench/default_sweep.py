@@ -60,12 +60,10 @@ def points(trace: str) -> list[Point]:
             workload = msgspec.structs.replace(workload, trace=trace)
         for rate in rates:
             for label in POLICIES:
-                policy, load_estimate = parse_policy(label)
                 result.append(
                     Point(
                         workload=workload,
-                        policy=policy,
-                        load_estimate=load_estimate,
+                        **parse_policy(label).fields(),
                         rate=rate,
                         duration=DURATION,
                         seed=SEED,
@@ -80,8 +78,7 @@ def freshness_points() -> list[Point]:
     return [
         Point(
             workload=WORKLOADS["chat"],
-            policy=policy,
-            load_estimate=load_estimate,
+            **parse_policy(label).fields(),
             rate=FRESHNESS_RATE,
             duration=DURATION,
             seed=SEED,
@@ -89,7 +86,7 @@ def freshness_points() -> list[Point]:
             scrape_interval=interval,
         )
         for interval, pickers in FRESHNESS_VARIANTS
-        for policy, load_estimate in map(parse_policy, FRESHNESS_POLICIES)
+        for label in FRESHNESS_POLICIES
     ]
 
 
