@@ -83,7 +83,7 @@ def test_replace_blocks_rewrites_only_the_generated_parts() -> None:
 
 def test_the_checked_in_document_has_every_generated_block() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-    blocks = {name: "" for name in [*RATES, "setup", "freshness"]}
+    blocks = {name: "" for name in [*RATES, "setup", "freshness", "replicas", "prefix-fit"]}
     replace_blocks(doc.read_text(), blocks)  # raises when a block is missing
 
 
@@ -94,5 +94,7 @@ def test_default_sweep_covers_every_workload_policy_and_rate() -> None:
     assert {p.workload.trace for p in sweep if p.workload.name == "trace"} == {"conv.csv"}
     assert len(sweep) == sum(len(rates) for rates in RATES.values()) * len(POLICIES)
     # Our default (with the pickers' load estimate) beside the upstream-faithful tree.
-    assert {(p.label, p.load_estimate) for p in sweep if p.policy.name == "filter-tree"} == {
+    assert {(p.label, p.load_estimate) for p in sweep
+            if p.policy.name == "filter-tree" and p.alias is None} == {
         ("filter-tree", True), ("filter-tree+raw", False)}
+    assert {p.label for p in sweep if p.oracle} == {"default+oracle"}
