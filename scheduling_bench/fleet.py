@@ -158,6 +158,10 @@ class _Replica:
         self.sink = SnapshotSink(gateway.table, on_undecodable=_refused, on_wrong_address=_refused)
 
 
+def _picker_id(replica: int) -> str:
+    return f"picker-{replica}"
+
+
 def _refused() -> None:
     """The bench's own snapshot was refused: a bug in the bench, never a result."""
     raise RuntimeError("a picker replica refused a snapshot of the simulated fleet")
@@ -198,7 +202,8 @@ class _Simulation:
             if self.shared:
                 on_decision = self._sharer(replica)
             gateway = build_gateway([POOL], settings, rng=random.Random(f"policy/{seed}/{replica}"),
-                                    clock=self.clock.now, on_decision=on_decision)
+                                    clock=self.clock.now, on_decision=on_decision,
+                                    picker_id=_picker_id(replica))
             gateway.update(view)
             self.replicas.append(_Replica(gateway))
         self.spread = random.Random(f"spread/{seed}")
@@ -253,7 +258,7 @@ class _Simulation:
         ``decision_delay``."""
         from shared.schemas import DecisionBatch  # only with the decision stream
 
-        picker = f"picker-{source}"
+        picker = _picker_id(source)
 
         def share(pool: str, event: Any) -> None:
             batch = DecisionBatch(picker=picker, pool=pool,

@@ -48,12 +48,15 @@ class CoreHooks(msgspec.Struct, frozen=True):
 def build_gateway(pools: Sequence[str], settings: PickerSettings | None = None, *,
                   rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
                   unknown: UnknownModels | None = None, hooks: CoreHooks | None = None,
-                  on_decision: Callable[[str, Any], None] | None = None) -> Gateway:
+                  on_decision: Callable[[str, Any], None] | None = None,
+                  picker_id: str = "") -> Gateway:
     """The decision core over ``pools`` (empty: every pool of the registry).
 
     ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench).
     ``on_decision(pool, event)`` receives the core's own routed/finished/shed events for the
-    decision stream; it is passed on only when given, and needs a ``Gateway`` that publishes them.
+    decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
+    twice); both are passed on only when ``on_decision`` is given, and need a ``Gateway`` that
+    publishes its decisions.
     """
     settings = settings if settings is not None else PickerSettings()
     hooks = hooks if hooks is not None else CoreHooks()
@@ -66,7 +69,9 @@ def build_gateway(pools: Sequence[str], settings: PickerSettings | None = None, 
         return Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
                       fallbacks=settings.fallbacks)
 
-    extra: dict[str, Any] = {} if on_decision is None else {"on_decision": on_decision}
+    extra: dict[str, Any] = {}
+    if on_decision is not None:
+        extra = {"on_decision": on_decision, "picker_id": picker_id}
     return Gateway(pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts, **extra)
 
 
