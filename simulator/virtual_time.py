@@ -17,6 +17,10 @@ perfectly fresh metrics; 0.05 = a 50 ms scrape interval). Without a router: roun
 At each instant the driver first ends the steps that end then, then submits the arrivals of that
 instant, then begins a step on every idle pod with work. The real-time driver keeps the same
 order, so the same arrivals and seed give the same token timeline in both.
+
+The loop itself is :class:`EventLoop`: engine steps plus any timed events on one clock.
+``VirtualFleet`` puts its arrivals on it; ``lig bench`` (``scheduling_bench/fleet.py``) puts its
+arrivals, scrapes, snapshot deliveries and picker replicas' shared decisions on the same loop.
 """
 
 from __future__ import annotations
