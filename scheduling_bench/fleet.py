@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -45,7 +45,7 @@ from scheduling_bench.workloads import BASE_MODEL, OBJECTIVES, BenchRequest
 from services.picker.core import PickerSettings, build_gateway, shares_decisions
 from services.picker.metrics_feed import SnapshotSink
 from services.picker.pools import Gateway
-from services.picker.routing import Rejected
+from services.picker.routing import Rejected, Routed
 from shared.registry_view import RegistryView
 from shared.schemas import (
     Endpoint,
@@ -211,7 +211,7 @@ class _Simulation:
         count = len(requests)
         self.outcomes: list[Outcome | None] = [None] * count
         self.records: list[Request | None] = [None] * count
-        self.owner: dict[int, tuple[_Replica, Any, int]] = {}  # id(engine request) -> routing
+        self.owner: dict[int, tuple[_Replica, Routed, int]] = {}  # id(engine request) -> routing
         self.unfinished = count  # requests yet to arrive, to be answered or to finish
         self.end_time = 0.0  # when the last request ended
 
@@ -253,7 +253,7 @@ class _Simulation:
 
     # --- shared decisions ----------------------------------------------------------------------
 
-    def _sharer(self, source: int) -> Any:
+    def _sharer(self, source: int) -> Callable[[str, Any], None]:
         """The ``on_decision`` callback of replica ``source``: its peers apply the event after
         ``decision_delay``."""
         from shared.schemas import DecisionBatch  # only with the decision stream
@@ -283,9 +283,6 @@ class _Simulation:
             following += 1  # follow-up turns arrive after their answers, not in this sequence
         if following < len(requests):
             self.loop.at(requests[following].time, ARRIVAL, self._arrive, following)
-        self._route(now, index)
-
-    def _follow_up(self, now: float, index: int) -> None:
         self._route(now, index)
 
     def _route(self, now: float, index: int) -> None:
@@ -329,7 +326,7 @@ class _Simulation:
         self.end_time = now
         request = self.requests[index]
         if request.then >= 0:
-            self.loop.at(now + self.requests[request.then].think, ARRIVAL, self._follow_up,
+            self.loop.at(now + self.requests[request.then].think, ARRIVAL, self._route,
                          request.then)
 
     def _stepped(self, pod: int, result: StepResult) -> None:
