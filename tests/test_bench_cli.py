@@ -60,6 +60,8 @@ def test_workload_flags_override_the_preset(tmp_path: Path) -> None:
         (["--sheddable-fraction", "1.5"], "add up to at most 1"),
         (["--sweep", "default"], "--sweep default replays a trace"),
         (["--profile", "no-such-gpu"], "unknown profile"),
+        (["--decision-delay", "-0.001"], "--decision-delay must be >= 0"),
+        (["--policies", "fastest+oracle"], "unknown policy 'fastest'"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags, message) -> None:
