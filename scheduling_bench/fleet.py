@@ -42,10 +42,11 @@ from typing import Any
 import msgspec
 
 from scheduling_bench.workloads import BASE_MODEL, OBJECTIVES, BenchRequest
-from services.picker.core import PickerSettings, build_gateway, shares_decisions
+from services.picker.core import build_gateway, shares_decisions
 from services.picker.metrics_feed import SnapshotSink
 from services.picker.pools import Gateway
 from services.picker.routing import Rejected, Routed
+from services.picker.settings import PickerSettings
 from shared.registry_view import RegistryView
 from shared.schemas import (
     Endpoint,
@@ -194,14 +195,14 @@ class _Simulation:
         self.index = {name: pod for pod, name in enumerate(self.names)}
         self.seq = [0] * config.pods
         self.shared = config.shared_decisions and config.pickers > 1 and shares_decisions()
-        settings = PickerSettings(load_estimate=config.load_estimate)
+        settings = PickerSettings(pools=[POOL], load_estimate=config.load_estimate)
         view = registry_view(policy, self.names, (BASE_MODEL, *config.engine.adapters))
         self.replicas = []
         for replica in range(config.pickers):
             on_decision = None
             if self.shared:
                 on_decision = self._sharer(replica)
-            gateway = build_gateway([POOL], settings, rng=random.Random(f"policy/{seed}/{replica}"),
+            gateway = build_gateway(settings, rng=random.Random(f"policy/{seed}/{replica}"),
                                     clock=self.clock.now, on_decision=on_decision,
                                     picker_id=_picker_id(replica))
             gateway.update(view)

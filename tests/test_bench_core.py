@@ -13,7 +13,8 @@ from scheduling_bench.fleet import FleetConfig, Outcome, simulate
 from scheduling_bench.runner import Point, engine_config, parse_policy, run_point
 from scheduling_bench.workloads import WORKLOADS, generate
 from services.picker import main as picker_main
-from services.picker.core import PickerSettings, shares_decisions
+from services.picker.core import shares_decisions
+from services.picker.settings import PickerSettings
 from shared.schemas import PolicyConfig
 from simulator.engine import Engine, EngineConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
@@ -61,11 +62,11 @@ def test_default_is_the_policy_and_settings_lig_picker_runs_without_flags() -> N
     assert oracle.oracle and oracle.load_estimate and oracle.policy == PolicyConfig()
     raw = parse_policy("filter-tree+raw+oracle")
     assert raw.oracle and not raw.load_estimate and raw.policy.name == "filter-tree"
+    # The bench builds each replica from lig picker's own settings, defaults but for its pool.
     parser = argparse.ArgumentParser()
     picker_main.configure(parser)
-    flags = parser.parse_args([])
-    for field in PickerSettings.__struct_fields__:
-        assert getattr(flags, field) == getattr(PickerSettings(), field), field
+    flags = picker_main.settings_from(parser.parse_args([]))
+    assert msgspec.structs.replace(flags, pools=[]) == PickerSettings()
     assert run_point(point("chat", "default", 40, 2)).policy == "default"
 
 
