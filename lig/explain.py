@@ -2,17 +2,21 @@
 
 Pods file: a JSON list of objects with ``name`` (required), ``address``, ``waiting``, ``running``,
 ``kv_cache_usage`` (0..1), ``running_adapters``, ``waiting_adapters``, ``max_lora`` and
-``in_flight``, ``unreported_tokens``. Request file: an object with ``model``, optional
-``target_model`` (defaults to ``model``) and ``criticality`` (Critical | Standard | Sheddable,
-default Standard); for prompt-aware policies also ``prompt_tokens``, ``max_tokens``,
-``prefix_blocks`` (how many blocks of the prompt were hashed) and ``prefix_hits`` (pod name ->
-leading blocks the prefix index believes it holds). Scorer pipelines (``prefix-aware``) also
-show every candidate's weighted total and each scorer's score.
+``in_flight``, ``unreported_tokens``. The pods are loaded into a picker's ``PodTable`` as
+snapshots (with ``in_flight`` requests started on each), so the policy sees the views the picker
+would build from them: a pod without ``max_lora`` (vLLM reports none before its first step) gets
+the largest any pod reports. Request file: an object with ``model``, optional ``target_model``
+(defaults to ``model``) and ``criticality`` (Critical | Standard | Sheddable, default Standard);
+for prompt-aware policies also ``prompt_tokens``, ``max_tokens``, ``prefix_blocks`` (how many
+blocks of the prompt were hashed) and ``prefix_hits`` (pod name -> leading blocks the prefix
+index believes it holds). Scorer pipelines (``prefix-aware``) also show every candidate's
+weighted total and each scorer's score.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 from pathlib import Path
@@ -30,7 +34,9 @@ from scheduling import (
     build_policy,
     policy_names,
 )
-from shared.schemas import Criticality, PolicyConfig
+from services.picker.gray_pods import GrayPods
+from services.picker.state import PodTable
+from shared.schemas import Criticality, Endpoint, PodMetrics, PolicyConfig
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 _SHOWN_NAMES = 8  # pod names listed per step in text output before "+N more"
@@ -46,7 +52,7 @@ class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     running_adapters: list[str] = []
     waiting_adapters: list[str] = []
-    max_lora: NonNegativeInt = 0
+    max_lora: NonNegativeInt | None = None
     in_flight: NonNegativeInt = 0
     unreported_tokens: NonNegativeInt = 0
 
@@ -164,26 +170,38 @@ def _read(path: Path, entry_type: type[T]) -> T:
 def _read_pods(path: Path) -> list[PodView]:
     entries = _read(path, list[PodEntry])
     seen: set[str] = set()
-    pods = []
     for index, entry in enumerate(entries):
         if entry.name in seen:
             raise InputError(f"{path} at $[{index}].name: duplicate pod name {entry.name!r}")
         seen.add(entry.name)
-        pods.append(
-            PodView(
-                name=entry.name,
-                address=entry.address,
-                waiting=entry.waiting,
-                running=entry.running,
-                kv_cache_usage=entry.kv_cache_usage,
-                running_adapters=frozenset(entry.running_adapters),
-                waiting_adapters=frozenset(entry.waiting_adapters),
-                max_lora=entry.max_lora,
-                in_flight=entry.in_flight,
-                unreported_tokens=entry.unreported_tokens,
-            )
-        )
-    return pods
+    return picker_views(entries)
+
+
+def picker_views(entries: list[PodEntry]) -> list[PodView]:
+    """The views a picker's ``PodTable`` builds from these pods as fresh snapshots, each with
+    ``in_flight`` requests started; in file order, addresses as given."""
+    table = PodTable(math.inf, clock=lambda: 0.0, load_estimate=False, gray=GrayPods(0, 0))
+    table.set_endpoints(_endpoint(entry) for entry in entries)
+    for entry in entries:
+        table.apply(PodMetrics(
+            pool="explain", pod=entry.name, address=_endpoint(entry).hostport, seq=1,
+            scrape_time_ns=0, scrape_duration_s=0.0, ok=True, waiting=entry.waiting,
+            running=entry.running, kv_cache_usage=entry.kv_cache_usage,
+            running_adapters=tuple(entry.running_adapters),
+            waiting_adapters=tuple(entry.waiting_adapters), max_lora=entry.max_lora))
+        for _ in range(entry.in_flight):
+            table.started(entry.name)
+    by_name = {entry.name: entry for entry in entries}
+    return [msgspec.structs.replace(view, address=by_name[view.name].address,
+                                    unreported_tokens=by_name[view.name].unreported_tokens)
+            for view in table.fresh_views()]
+
+
+def _endpoint(entry: PodEntry) -> Endpoint:
+    host, colon, port = entry.address.rpartition(":")
+    if colon and port.isdigit():
+        return Endpoint(entry.name, host, int(port))
+    return Endpoint(entry.name, entry.address, 0)
 
 
 def _parse_params(items: list[str]) -> dict[str, Any]:

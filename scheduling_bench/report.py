@@ -30,8 +30,8 @@ def markdown_table(results: Sequence[RunMetrics]) -> str:
     lines = [
         "| rate (req/s) | policy | completed | shed | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 "
         "| ITL p99 | E2E p50 | E2E p99 | output tok/s | preemptions | adapter loads "
-        "| prefix hit |",
-        "|---:|---|" + "---:|" * 13,
+        "| prefix hit | prompt tokens computed |",
+        "|---:|---|" + "---:|" * 14,
     ]
     for r in _ordered(results):
         latencies = (r.ttft.p50, r.ttft.p90, r.ttft.p99, r.itl.p50, r.itl.p99, r.e2e.p50, r.e2e.p99)
@@ -39,7 +39,7 @@ def markdown_table(results: Sequence[RunMetrics]) -> str:
             f"| {r.rate:g} | {r.policy} | {r.completed} | {r.shed} | "
             + " | ".join(format_seconds(value) for value in latencies)
             + f" | {r.output_tokens_per_s:.0f} | {r.preemptions} | {r.adapter_loads} "
-            f"| {r.prefix_cache_hit_rate:.1%} |"
+            f"| {r.prefix_cache_hit_rate:.1%} | {r.computed_prompt_tokens / 1e6:.2f} M |"
         )
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import socket
 import sys
 from collections.abc import Callable
@@ -23,16 +22,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
+from services.picker import core
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
-from services.picker.gray_pods import GrayPods
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
-from services.picker.pools import Gateway, UnknownModels
-from services.picker.routing import Router
+from services.picker.pools import Gateway
 from services.picker.settings import PickerSettings
-from services.picker.state import PodTable
 from services.picker.tls import TlsFiles, grpc_credentials, ssl_context
 from shared.host.errors import PortInUse
 from shared.host.lifespan import Lifespan
@@ -70,22 +67,12 @@ def stop_timeout(settings: PickerSettings) -> float:
 
 
 def build_gateway(settings: PickerSettings, metrics: PickerMetrics) -> Gateway:
-    """The gateway over the served pools, each pool with its own router and pod table."""
-    rng = random.Random(settings.seed)
-
-    def make_router(pool: str) -> Router:
-        pods = PodTable(settings.stale_after, load_estimate=settings.load_estimate,
-                        gray=GrayPods(settings.gray_after, settings.outcome_sample,
-                                      on_exclude=lambda pod, reason:
-                                      metrics.gray_exclusions.labels(pod, reason).inc()))
-        return Router(pool, pods, rng, on_all_stale=metrics.all_stale.inc,
-                      fallbacks=settings.fallbacks,
-                      prefix_entries=settings.prefix_index_entries)
-
-    unknown = UnknownModels(reject=settings.reject_unknown_models,
-                            default_pool=settings.default_pool)
-    return Gateway(settings.pools, make_router, unknown, rng,
-                   on_conflicts=metrics.model_conflicts.set)
+    """The decision core over the served pools (:mod:`services.picker.core`, also what
+    ``lig bench`` runs), reporting to the picker's metrics."""
+    return core.build_gateway(settings, hooks=core.CoreHooks(
+        on_gray_exclusion=lambda pod, reason: metrics.gray_exclusions.labels(pod, reason).inc(),
+        on_all_stale=metrics.all_stale.inc,
+        on_conflicts=metrics.model_conflicts.set))
 
 
 def grpc_server(reuse_port: bool) -> grpc.aio.Server:
