@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -114,8 +115,10 @@ _REMOVED_FIELDS = ("block_hashes", "medium")
 class KVEventDecoder:
     """Decodes messages from one or more pods; ``skipped`` counts what was dropped, by reason."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None,
+                 on_skip: Callable[[str], None] = lambda reason: None) -> None:
         self.limits = limits or Limits()
+        self._on_skip = on_skip
         self.skipped: Counter[str] = Counter()
         self._payload = msgspec.msgpack.Decoder()
         self._log = RateLimitedLog(log)
@@ -144,6 +147,7 @@ class KVEventDecoder:
 
     def _skip(self, reason: str, detail: str) -> None:
         self.skipped[reason] += 1
+        self._on_skip(reason)
         self._log.warning("skipping a malformed KV-event message (%s): %s", reason, detail)
         return None
 
