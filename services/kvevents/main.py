@@ -119,8 +119,9 @@ class KVEventsMetrics:
     def __init__(self) -> None:
         self.prometheus = CollectorRegistry()
         r = self.prometheus
-        self.batches = Counter("lig_kv_events_batches", "Event batches received, by verdict "
-                               "(apply, duplicate, gap, reset)", ["verdict"], registry=r)
+        self.batches = Counter("lig_kv_events_batches", "Event batches by outcome: apply, "
+                               "duplicate, gap, reset (seen on PUB), replayed, resync, malformed, "
+                               "replay_malformed", ["outcome"], registry=r)
         self.skipped = Counter("lig_kv_events_skipped", "Malformed messages or events skipped, "
                                "by reason", ["reason"], registry=r)
         self.published = Counter("lig_kv_events_published", "Block-change messages published "
@@ -211,10 +212,14 @@ class KVEventsService:
             self._background(self._stop_tasks([self.streams.pop(key)[1] for key in gone]))
         for key, pod in wanted.items():
             if key not in self.streams:
-                stream = PodStream(pod, self._ctx, self.decoder, self._publish, settings.stream)
+                stream = PodStream(pod, self._ctx, self.decoder, self._publish, settings.stream,
+                                   self._count)
                 task = asyncio.create_task(self._run_stream(stream), name=f"kv-events {key}")
                 self.streams[key] = (pod, task)
         self.metrics.pods.set(len(self.streams))
+
+    def _count(self, outcome: str, n: int) -> None:
+        self.metrics.batches.labels(outcome).inc(n)
 
     async def _run_stream(self, stream: PodStream) -> None:
         """One pod's stream; a bug in it is logged and the stream restarted, others go on."""

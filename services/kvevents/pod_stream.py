@@ -51,7 +51,8 @@ class PodStream:
     """The event stream of one pod; ``counts`` says what happened to its batches."""
 
     def __init__(self, pod: PodEndpoints, ctx: zmq.asyncio.Context, decoder: KVEventDecoder,
-                 publish: Publish, settings: StreamSettings | None = None) -> None:
+                 publish: Publish, settings: StreamSettings | None = None,
+                 on_count: Callable[[str, int], None] = lambda outcome, n: None) -> None:
         self.pod = pod
         self.settings = settings or StreamSettings()
         self.tracker = SequenceTracker()
@@ -60,6 +61,11 @@ class PodStream:
         self._decoder = decoder
         self._publish = publish
         self._dealer: zmq.asyncio.Socket | None = None
+        self._on_count = on_count
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.counts[outcome] += n
+        self._on_count(outcome, n)
 
     async def run(self) -> None:
         """Subscribe and republish until cancelled."""
@@ -73,7 +79,7 @@ class PodStream:
                 frames = await sub.recv_multipart()
                 batch = self._decoder.decode_message(frames)
                 if batch is None:
-                    self.counts["malformed"] += 1
+                    self._count("malformed")
                     self._skip_malformed(frames)
                     continue
                 await self._handle(batch)
@@ -91,7 +97,7 @@ class PodStream:
 
     async def _handle(self, batch: EventBatch) -> None:
         verdict = self.tracker.classify(batch.seq)
-        self.counts[verdict.value] += 1
+        self._count(verdict.value)
         if verdict is Verdict.APPLY:
             await self._apply(batch)
         elif verdict is Verdict.GAP:
@@ -131,7 +137,7 @@ class PodStream:
         batches = await self._replay(start)
         if batches is None or (batches and batches[0].seq != start) \
                 or (not batches and current is not None):
-            self.counts["resync"] += 1
+            self._count("resync")
             log.warning("%s/%s: batches from %d cannot be replayed: resync", self.pod.pool,
                         self.pod.pod, start)
             await self._marker(resync=True)
@@ -140,7 +146,7 @@ class PodStream:
             elif current is not None:
                 tracker.skip_to(current.seq)
         else:
-            self.counts["replayed"] += len(batches)
+            self._count("replayed", len(batches))
         for batch in batches or ():
             if batch.seq > tracker.expected:  # a batch in between did not decode: lost
                 tracker.skip_to(batch.seq)
@@ -166,7 +172,7 @@ class PodStream:
                 frames = await asyncio.wait_for(dealer.recv_multipart(),
                                                 self.settings.replay_timeout_s)
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self.counts["replay_malformed"] += 1
+                    self._count("replay_malformed")
                     continue
                 if frames[1] == END_SEQ:
                     return batches
