@@ -170,3 +170,28 @@ def test_fuzz_round_trip(blocks: list[tuple[list[int], int]], encoding: Any) -> 
     assert batch is not None
     assert [event.block_hashes for event in batch.events] == [
         tuple(h & U64 for h in hashes) for hashes, _ in blocks]
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ts=st.floats(allow_nan=False) | st.integers(0, 1 << 40),
+       events=st.lists(msgpack_values | st.builds(
+           lambda kind, hashes, tokens, size, extra: (
+               [kind, hashes, None, tokens, size, None, "GPU", *extra] if extra is not None
+               else {"type": kind, "block_hashes": hashes, "token_ids": tokens,
+                     "block_size": size}),
+           st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
+           st.lists(st.integers(-(1 << 63), U64) | st.binary(max_size=12), max_size=3),
+           st.lists(st.integers(-2, U64), max_size=40),
+           st.integers(-1, 5000),
+           st.none() | st.lists(msgpack_values, max_size=3)), max_size=4),
+       rank=st.none() | st.integers(-2, 1 << 17))
+def test_fast_path_agrees_with_the_tolerant_path(ts: float, events: list[Any],
+                                                 rank: Any) -> None:
+    """Whatever the typed (fast) decoding accepts, the field-by-field decoding turns into the
+    same batch: the fast path changes the cost, never the result."""
+    payload = pack([ts, events] if rank is None else [ts, events, rank])
+    decoder = KVEventDecoder(Limits(max_hashes=2, max_block_size=4096))
+    fast = decoder._decode_typed(3, payload)
+    tolerant = decoder._decode_tolerant(3, payload)
+    if fast is not None:
+        assert tolerant == fast
