@@ -20,8 +20,9 @@ from typing import Any
 import msgspec
 import zmq.asyncio
 from nats.aio.client import Client
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import start_http_server
 
+from services.kvevents.observability import KVEventsMetrics
 from services.kvevents.pod_stream import PodEndpoints, PodStream, StreamSettings
 from services.kvevents.recording import stream_config, try_ensure_stream
 from services.kvevents.targets import PortSpec, parse_port, pods_from_view
@@ -111,26 +112,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     return run_service(lambda stop: KVEventsService(settings).run(stop))
-
-
-class KVEventsMetrics:
-    """This service's counters, in their own Prometheus registry."""
-
-    def __init__(self) -> None:
-        self.prometheus = CollectorRegistry()
-        r = self.prometheus
-        self.batches = Counter("lig_kv_events_batches", "Event batches by outcome: apply, "
-                               "duplicate, gap, reset (seen on PUB), replayed, resync, malformed, "
-                               "replay_malformed", ["outcome"], registry=r)
-        self.skipped = Counter("lig_kv_events_skipped", "Malformed messages or events skipped, "
-                               "by reason", ["reason"], registry=r)
-        self.published = Counter("lig_kv_events_published", "Block-change messages published "
-                                 "(markers included)", registry=r)
-        self.resyncs = Counter("lig_kv_events_resyncs", "Resync markers published: events lost "
-                               "beyond what replay could recover", registry=r)
-        self.publish_errors = Counter("lig_kv_events_publish_errors", "Block-change messages "
-                                      "that NATS did not take", registry=r)
-        self.pods = Gauge("lig_kv_events_pods", "Pods subscribed to", registry=r)
 
 
 class KVEventsService:
