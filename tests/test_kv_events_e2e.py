@@ -86,6 +86,25 @@ class EventPods(SimulatedPods):
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens})
         response.raise_for_status()
 
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop the process and start a new one on the same ports (a restarted vLLM)."""
+        self.stop()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "lig.cli", "sim", "--host", "127.0.0.1",
+             "--base-port", str(self.ports[0]), *self._args],
+            cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)},
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(self.url(0) + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self._process.poll() is None, self.output()
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.05)
+
     def drop_next(self, index: int, count: int) -> dict[str, Any]:
         response = httpx.post(self.url(index) + "/admin/kv-events", json={"drop": count},
                               timeout=5.0)
@@ -251,3 +270,38 @@ async def test_a_malformed_flood_is_counted_and_skipped(nc: Client, nats_server:
     finally:
         pub.close()
         ctx.term()
+
+
+async def test_a_restarted_engine_clears_the_pod_and_its_new_stream_is_followed(
+    nc: Client, nats_server: Any
+) -> None:
+    with EventPods(1, "map") as pods:
+        await register(nc, [("pod-0", pods.ports[0])])
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+                await asyncio.sleep(1.0)
+                for index in range(3):
+                    await asyncio.to_thread(pods.complete, 0, f"before restart {index} " * 20)
+                await eventually(lambda: len(changes.seqs("pod-0")) >= 3, within=15,
+                                 what=f"changes before the restart\n{output(log)}")
+                before = len(changes.of("pod-0"))
+                await asyncio.to_thread(pods.restart)
+                await asyncio.to_thread(pods.complete, 0, "after the restart " * 20)
+
+                def cleared_then_stored() -> bool:
+                    after = changes.of("pod-0")[before:]
+                    return any(c.ops == [AllBlocksCleared()] for c in after) and any(
+                        c.source_seq == 0 for c in after)
+
+                await eventually(cleared_then_stored, within=20,
+                                 what=f"a clear and the new engine's batches\n{output(log)}")
+                after = changes.of("pod-0")[before:]
+                marker = next(i for i, c in enumerate(after) if c.ops == [AllBlocksCleared()])
+                first_new = next(i for i, c in enumerate(after) if c.source_seq == 0)
+                assert marker < first_new and not after[marker].resync
+                stored = [op for c in after[first_new:] for op in c.ops
+                          if isinstance(op, BlockStored)]
+                assert list(tokenizer.encode("after the restart " * 20))[:16] == list(
+                    stored[0].token_ids[:16])
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="reset"}') == 1

@@ -95,21 +95,25 @@ def test_kv_events_config_is_vllms_json() -> None:
 
 def test_sequence_tracker_verdicts() -> None:
     tracker = SequenceTracker()
-    assert tracker.classify(0) is Verdict.APPLY
-    tracker.applied(0)
-    assert tracker.classify(3) is Verdict.GAP
-    # A replay from 1 brings 1..5; the PUB socket then re-delivers 4 and 5.
+    assert tracker.classify(0, 10.0) is Verdict.APPLY
+    tracker.applied(0, 10.0)
+    assert tracker.classify(3, 13.0) is Verdict.GAP
+    # A replay from 1 brings 1..5; the PUB socket then delivers 4 and 5 again.
     tracker.replaying()
-    tracker.applied(5)
-    assert tracker.classify(4) is Verdict.DUPLICATE
-    assert tracker.classify(5) is Verdict.DUPLICATE
-    assert tracker.classify(6) is Verdict.APPLY
-    tracker.applied(6)
+    for seq in range(1, 6):
+        tracker.applied(seq, 10.0 + seq)
+    assert tracker.classify(4, 14.0) is Verdict.DUPLICATE
+    assert tracker.classify(5, 15.0) is Verdict.DUPLICATE
+    # In the range a replay re-sent, but newer than anything applied: a restarted engine
+    # (its first batches were lost while the subscriber reconnected).
+    assert tracker.classify(4, 99.0) is Verdict.RESET
+    assert tracker.classify(6, 16.0) is Verdict.APPLY
+    tracker.applied(6, 16.0)
     # Below anything a replay re-sent: the engine restarted.
-    assert tracker.classify(0) is Verdict.RESET
-    assert tracker.classify(2) is Verdict.RESET
+    assert tracker.classify(0, 17.0) is Verdict.RESET
+    assert tracker.classify(0, 1.0) is Verdict.RESET
     tracker.restart()
-    assert tracker.classify(0) is Verdict.APPLY
-    tracker.applied(0)
+    assert tracker.classify(0, 1.0) is Verdict.APPLY
+    tracker.applied(0, 1.0)
     tracker.skip_to(9)
-    assert tracker.classify(9) is Verdict.APPLY
+    assert tracker.classify(9, 2.0) is Verdict.APPLY

@@ -92,11 +92,11 @@ class PodStream:
         replay would only bring the same bytes again."""
         if len(frames) == 3 and len(frames[1]) == 8:
             seq = int.from_bytes(frames[1], "big")
-            if self.tracker.classify(seq) is Verdict.APPLY:
+            if seq == self.tracker.expected:
                 self.tracker.applied(seq)
 
     async def _handle(self, batch: EventBatch) -> None:
-        verdict = self.tracker.classify(batch.seq)
+        verdict = self.tracker.classify(batch.seq, batch.ts)
         self._count(verdict.value)
         if verdict is Verdict.APPLY:
             await self._apply(batch)
@@ -115,7 +115,7 @@ class PodStream:
                 await self._recover(batch)
 
     async def _apply(self, batch: EventBatch) -> None:
-        self.tracker.applied(batch.seq)
+        self.tracker.applied(batch.seq, batch.ts)
         if batch.events:
             pod = self.pod
             await self._publish(KVBlockChanges(pod.pool, pod.pod, pod.address, batch.seq, batch.ts,

@@ -2,8 +2,9 @@
 
 vLLM numbers batches 0, 1, 2, ... per engine process. A batch is applied when it is the next
 one; a later one means batches were lost (replay them); an earlier one is either a duplicate
-(the replay already delivered it) or, below anything a replay could have re-sent, a restarted
-engine counting from 0 again.
+(the replay already delivered it: it is no newer than the newest batch applied) or a restarted
+engine counting from 0 again (below anything a replay could have re-sent, or newer than every
+batch applied).
 """
 
 from __future__ import annotations
@@ -25,25 +26,30 @@ class SequenceTracker:
 
     def __init__(self) -> None:
         self.expected = 0
+        self.newest_ts = float("-inf")
+        """The publish time of the newest batch applied."""
         self._floor = 0
         """The first sequence of the last replay: batches from there to ``expected`` may come
         again on the PUB socket (it kept delivering while the replay ran)."""
 
-    def classify(self, seq: int) -> Verdict:
-        """The verdict on batch ``seq`` received from the PUB socket."""
+    def classify(self, seq: int, ts: float) -> Verdict:
+        """The verdict on batch ``seq``, published at ``ts``, received from the PUB socket."""
         if seq == self.expected:
             # PUB delivers in order: nothing before this batch can arrive again.
             self._floor = seq
             return Verdict.APPLY
         if seq > self.expected:
             return Verdict.GAP
-        if seq >= self._floor:
+        if seq >= self._floor and ts <= self.newest_ts:
             return Verdict.DUPLICATE
         return Verdict.RESET
 
-    def applied(self, seq: int) -> None:
-        """Batch ``seq`` was applied (or given up on): the next one is expected."""
+    def applied(self, seq: int, ts: float | None = None) -> None:
+        """Batch ``seq`` (published at ``ts``, if known) was applied or given up on: the next
+        one is expected."""
         self.expected = seq + 1
+        if ts is not None and ts > self.newest_ts:
+            self.newest_ts = ts
 
     def replaying(self) -> None:
         """A replay from ``expected`` starts: what it re-sends may arrive again."""
@@ -58,3 +64,4 @@ class SequenceTracker:
         """The engine restarted: its sequence starts again at 0."""
         self.expected = 0
         self._floor = 0
+        self.newest_ts = float("-inf")
