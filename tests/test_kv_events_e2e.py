@@ -305,3 +305,34 @@ async def test_a_restarted_engine_clears_the_pod_and_its_new_stream_is_followed(
                     stored[0].token_ids[:16])
                 assert counter(metrics_port, "lig_kv_events_batches_total",
                                '{outcome="reset"}') == 1
+
+
+async def test_a_pod_whose_replay_fails_is_resynced_once_and_followed_from_its_next_batch(
+    nc: Client, nats_server: Any
+) -> None:
+    """No replay answers (nothing listens on the replay port): the start is one resync marker,
+    and the first batch heard starts the stream; it must not look like a gap to replay again."""
+    port, dead_replay_port = free_port(), free_port()
+    await register(nc, [("pod-y", port)])
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.linger = 0
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, None, events_port=str(port),
+                                   replay_port=str(dead_replay_port)) as (_, metrics_port, log):
+                await eventually(lambda: any(c.resync for c in changes.of("pod-y")), within=15,
+                                 what=f"the start marker\n{output(log)}")
+                await asyncio.sleep(1.0)
+                good = encode_payload(1.0, [BlockRemoved((7,), "GPU")], "array")
+                for seq in (5, 6):
+                    pub.send_multipart([b"kv", seq.to_bytes(8, "big"), good])
+                await eventually(lambda: changes.seqs("pod-y") == [5, 6], within=15,
+                                 what=f"both batches\n{output(log)}")
+                assert sum(c.resync for c in changes.of("pod-y")) == 1
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="gap"}') == 0
+    finally:
+        pub.close()
+        ctx.term()

@@ -41,7 +41,10 @@ class StreamSettings(msgspec.Struct, frozen=True):
 
     replay_timeout_s: float = 2.0
     """Longest wait for the next replay frame."""
-    max_replay_batches: int = 100_000
+    max_replay_batches: int = 20_000
+    """vLLM keeps 10,000 by default (``buffer_steps``)."""
+    max_replay_bytes: int = 256 << 20
+    """Payload bytes one replay may hold in memory; a larger one is given up (resync)."""
 
 
 Publish = Callable[[KVBlockChanges], Awaitable[None]]
@@ -62,6 +65,9 @@ class PodStream:
         self._publish = publish
         self._dealer: zmq.asyncio.Socket | None = None
         self._on_count = on_count
+        self._adopt_next = False
+        """After a resync with nothing to continue from: the next batch starts the stream (no
+        replay can bring what came before it)."""
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.counts[outcome] += n
@@ -96,6 +102,9 @@ class PodStream:
                 self.tracker.applied(seq)
 
     async def _handle(self, batch: EventBatch) -> None:
+        if self._adopt_next:
+            self._adopt_next = False
+            self.tracker.skip_to(batch.seq)
         verdict = self.tracker.classify(batch.seq, batch.ts)
         self._count(verdict.value)
         if verdict is Verdict.APPLY:
@@ -145,6 +154,8 @@ class PodStream:
                 tracker.skip_to(batches[0].seq)
             elif current is not None:
                 tracker.skip_to(current.seq)
+            else:
+                self._adopt_next = True
         else:
             self._count("replayed", len(batches))
         for batch in batches or ():
@@ -167,6 +178,7 @@ class PodStream:
         dealer = self._dealer
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         batches: list[EventBatch] = []
+        size = 0
         try:
             for _ in range(self.settings.max_replay_batches + 1):
                 frames = await asyncio.wait_for(dealer.recv_multipart(),
@@ -176,6 +188,12 @@ class PodStream:
                     continue
                 if frames[1] == END_SEQ:
                     return batches
+                size += len(frames[2])
+                if size > self.settings.max_replay_bytes:
+                    log.warning("%s/%s: replay from %d exceeds %d bytes: giving up",
+                                self.pod.pool, self.pod.pod, start,
+                                self.settings.max_replay_bytes)
+                    break
                 batch = self._decoder.decode_payload(int.from_bytes(frames[1], "big"),
                                                      frames[2])
                 if batch is not None:
