@@ -135,12 +135,18 @@ class EventPublisher:
             if len(frames) != 3 or len(frames[2]) != 8:
                 log.warning("ignoring a malformed replay request of %d frames", len(frames))
                 continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
-            # A snapshot: batches published while this replay is sent must not disturb it.
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    await replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            await replay.send_multipart([identity, b"", END_SEQ, b""])
+            try:
+                await self._answer(replay, frames[0], int.from_bytes(frames[2], "big"))
+            except zmq.ZMQError as exc:  # one failed answer must not end the replay service
+                log.warning("replay from %d failed: %s", int.from_bytes(frames[2], "big"), exc)
+
+    async def _answer(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
+        """Every buffered batch from ``start`` on, then the end marker."""
+        # A snapshot: batches published while this replay is sent must not disturb it.
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                await replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        await replay.send_multipart([identity, b"", END_SEQ, b""])
 
     async def close(self) -> None:
         """Stop serving replays and close the sockets."""
