@@ -336,3 +336,32 @@ async def test_a_pod_whose_replay_fails_is_resynced_once_and_followed_from_its_n
     finally:
         pub.close()
         ctx.term()
+
+
+def test_the_simulators_replay_socket_answers_vllms_protocol_and_ignores_garbage() -> None:
+    with EventPods(1, "array") as pods:
+        pods.complete(0, "one two three " * 20)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.rcvtimeo = 5000
+        dealer.connect(f"tcp://127.0.0.1:{pods.replay_base}")
+        try:
+            dealer.send_multipart([b"", b"short"])  # not 8 bytes: ignored
+            dealer.send_multipart([b"garbage"])  # not [empty, seq]: ignored
+            dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+            replies = []
+            while True:
+                frames = dealer.recv_multipart()
+                replies.append(frames)
+                if frames[1] == b"\xff" * 8:
+                    break
+                assert len(replies) < 1000
+            assert replies[-1] == [b"", b"\xff" * 8, b""]
+            seqs = [int.from_bytes(frames[1], "big") for frames in replies[:-1]]
+            assert seqs and seqs == list(range(1, len(seqs) + 1))
+            assert all(frames[0] == b"" and frames[2] for frames in replies[:-1])
+        finally:
+            dealer.close()
+            ctx.term()
+        assert "Traceback" not in pods.output()
