@@ -365,3 +365,44 @@ def test_the_simulators_replay_socket_answers_vllms_protocol_and_ignores_garbage
             dealer.close()
             ctx.term()
         assert "Traceback" not in pods.output()
+
+
+async def test_data_parallel_ranks_are_followed_on_their_own_ports(
+    nc: Client, nats_server: Any
+) -> None:
+    """A pod with two data-parallel ranks (vLLM: rank r on the port + r), each numbering its
+    batches from 0: both streams arrive, told apart by ``dp_rank``."""
+    base = free_port_range(2)
+    await register(nc, [("pod-dp", 9000)])
+    ctx = zmq.Context()
+    pubs = []
+    for rank in range(2):
+        pub = ctx.socket(zmq.PUB)
+        pub.linger = 0
+        pub.bind(f"tcp://127.0.0.1:{base + rank}")
+        pubs.append(pub)
+    try:
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, None, "--dp-ranks", "2",
+                                   events_port=f"{base - 9000:+d}",
+                                   replay_port="none") as (_, _, log):
+                await eventually(lambda: {c.dp_rank for c in changes.of("pod-dp")} == {0, 1},
+                                 within=15, what=f"both ranks' start markers\n{output(log)}")
+                await asyncio.sleep(1.0)
+                for rank, pub in enumerate(pubs):
+                    for seq in range(2):
+                        stored = BlockStored((100 * rank + seq,), None, (), 16, None, "GPU")
+                        pub.send_multipart([b"kv", seq.to_bytes(8, "big"),
+                                            encode_payload(1.0 + seq, [stored], "map", rank)])
+                await eventually(lambda: len(changes.seqs("pod-dp")) == 4, within=15,
+                                 what=f"both ranks' batches\n{output(log)}")
+                by_rank = {rank: [op.block_hashes for c in changes.of("pod-dp")
+                                  if c.dp_rank == rank and c.source_seq >= 0 for op in c.ops]
+                           for rank in range(2)}
+                assert by_rank == {0: [(0,), (1,)], 1: [(100,), (101,)]}
+                assert not any(c.ops == [AllBlocksCleared()] and not c.resync
+                               for c in changes.of("pod-dp"))  # no rank looked restarted
+    finally:
+        for pub in pubs:
+            pub.close()
+        ctx.term()

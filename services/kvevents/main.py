@@ -48,6 +48,7 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
     replay_port: PortSpec | None = PortSpec(ports.KV_EVENTS_REPLAY)
     shard: int = 0
     shards: int = 1
+    dp_ranks: int = 1
     stream: StreamSettings = StreamSettings()
     limits: Limits = Limits()
     record_max_age_s: float = 3600.0
@@ -64,6 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-port", default=str(ports.KV_EVENTS_REPLAY),
                         help="each pod's replay ROUTER port, same forms; 'none': no replay "
                              "(every gap then becomes a resync marker)")
+    parser.add_argument("--dp-ranks", type=int, default=1,
+                        help="data-parallel ranks per pod: rank r publishes on both ports + r "
+                             "(as vLLM does), each with its own sequence")
     parser.add_argument("--shards", type=int, default=1,
                         help="replicas sharing the pods (rendezvous hashing on pool/pod)")
     parser.add_argument("--shard", type=int, default=0, help="this replica's number, 0-based")
@@ -88,6 +92,8 @@ def settings_from(args: argparse.Namespace) -> KVEventsSettings:
     """Validated settings from parsed flags; ValueError names the bad flag."""
     if args.shards < 1 or not 0 <= args.shard < args.shards:
         raise ValueError("--shards must be >= 1 and --shard in 0..--shards-1")
+    if not 1 <= args.dp_ranks <= 1024:
+        raise ValueError("--dp-ranks must be in 1..1024")
     if args.replay_timeout <= 0 or args.max_message_bytes < 64:
         raise ValueError("--replay-timeout must be > 0 and --max-message-bytes >= 64")
     if args.record_max_age < 0 or args.record_max_bytes < 1:
@@ -96,7 +102,7 @@ def settings_from(args: argparse.Namespace) -> KVEventsSettings:
         else parse_port(args.replay_port, "--replay-port")
     return KVEventsSettings(
         nats=settings_from_args(args), events_port=parse_port(args.events_port, "--events-port"),
-        replay_port=replay, shard=args.shard, shards=args.shards,
+        replay_port=replay, shard=args.shard, shards=args.shards, dp_ranks=args.dp_ranks,
         stream=StreamSettings(replay_timeout_s=args.replay_timeout),
         limits=Limits(max_message_bytes=args.max_message_bytes),
         record_max_age_s=args.record_max_age, record_max_bytes=args.record_max_bytes,
@@ -170,9 +176,10 @@ class KVEventsService:
             on_undecodable=lambda key, exc: self.metrics.skipped.labels("registry").inc())
         recording = asyncio.create_task(self._keep_recording(nc, stop))
         watching = asyncio.create_task(watcher.run(stop))
-        log.info("kv-events ready: events port %s, replay port %s, shard %d of %d, nats %s",
-                 _show(self.settings.events_port), _show(self.settings.replay_port),
-                 self.settings.shard, self.settings.shards, self.settings.nats.url)
+        log.info("kv-events ready: events port %s, replay port %s, %d rank(s) per pod, "
+                 "shard %d of %d, nats %s", _show(self.settings.events_port),
+                 _show(self.settings.replay_port), self.settings.dp_ranks, self.settings.shard,
+                 self.settings.shards, self.settings.nats.url)
         try:
             await stop.wait()
         finally:
@@ -187,7 +194,7 @@ class KVEventsService:
         changed gets a fresh stream)."""
         settings = self.settings
         wanted = pods_from_view(self.view, settings.events_port, settings.replay_port,
-                                settings.shard, settings.shards)
+                                settings.shard, settings.shards, settings.dp_ranks)
         gone = [key for key, (pod, _) in self.streams.items() if wanted.get(key) != pod]
         if gone:
             self._background(self._stop_tasks([self.streams.pop(key)[1] for key in gone]))

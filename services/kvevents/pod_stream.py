@@ -34,6 +34,9 @@ class PodEndpoints(msgspec.Struct, frozen=True):
     address: str  # ip:port the pod serves on
     events: str  # tcp://ip:port of its PUB socket
     replay: str | None  # tcp://ip:port of its replay ROUTER socket, None: no replay
+    dp_rank: int = 0
+    """The data-parallel rank behind these sockets (vLLM: rank r on the ports + r); each rank
+    has its own sequence and its own blocks."""
 
 
 class StreamSettings(msgspec.Struct, frozen=True):
@@ -128,13 +131,13 @@ class PodStream:
         if batch.events:
             pod = self.pod
             await self._publish(KVBlockChanges(pod.pool, pod.pod, pod.address, batch.seq, batch.ts,
-                                         list(batch.events), batch.dp_rank or 0))
+                                         list(batch.events), pod.dp_rank))
 
     async def _marker(self, resync: bool) -> None:
-        """Tell subscribers the pod's cache is empty (``resync``: and partly unknown)."""
+        """Tell subscribers this rank's cache is empty (``resync``: and partly unknown)."""
         pod = self.pod
         await self._publish(KVBlockChanges(pod.pool, pod.pod, pod.address, -1, time.time(),
-                                     [AllBlocksCleared()], resync=resync))
+                                     [AllBlocksCleared()], pod.dp_rank, resync=resync))
 
     async def _recover(self, current: EventBatch | None) -> None:
         """Replay from the expected sequence; then apply ``current`` (the batch that showed the

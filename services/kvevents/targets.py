@@ -44,10 +44,12 @@ def _tcp(address: str, port: int) -> str:
 
 
 def pods_from_view(view: RegistryView, events: PortSpec, replay: PortSpec | None,
-                   shard: int = 0, shards: int = 1) -> dict[str, PodEndpoints]:
-    """Every endpoint of every pool this shard owns (rendezvous hashing over the shard
-    numbers, as the collector shares pods), by pod key; pods whose ports fall outside 1..65535
-    are left out."""
+                   shard: int = 0, shards: int = 1, dp_ranks: int = 1,
+                   ) -> dict[str, PodEndpoints]:
+    """Every data-parallel rank of every endpoint of every pool this shard owns (rendezvous
+    hashing of the pod over the shard numbers, as the collector shares pods; a pod's ranks stay
+    together), by pod key and rank; rank ``r`` uses the ports + ``r``, as vLLM does. Ranks whose
+    ports fall outside 1..65535 are left out."""
     names = [str(number) for number in range(shards)]
     pods: dict[str, PodEndpoints] = {}
     for pool, endpoint_set in view.endpoints.items():
@@ -55,13 +57,16 @@ def pods_from_view(view: RegistryView, events: PortSpec, replay: PortSpec | None
             key = pod_key(pool, endpoint.name)
             if shards > 1 and owner(key, names) != str(shard):
                 continue
-            port = events.port_for(endpoint.port)
-            replay_port = replay.port_for(endpoint.port) if replay is not None else None
-            if not 0 < port <= 65535 or (replay_port is not None
-                                         and not 0 < replay_port <= 65535):
-                continue
-            pods[key] = PodEndpoints(
-                pool=pool, pod=endpoint.name, address=endpoint.hostport,
-                events=_tcp(endpoint.address, port),
-                replay=_tcp(endpoint.address, replay_port) if replay_port is not None else None)
+            for rank in range(dp_ranks):
+                port = events.port_for(endpoint.port) + rank
+                replay_port = replay.port_for(endpoint.port) + rank \
+                    if replay is not None else None
+                if not 0 < port <= 65535 or (replay_port is not None
+                                             and not 0 < replay_port <= 65535):
+                    continue
+                pods[f"{key}#{rank}"] = PodEndpoints(
+                    pool=pool, pod=endpoint.name, address=endpoint.hostport,
+                    events=_tcp(endpoint.address, port),
+                    replay=None if replay_port is None else _tcp(endpoint.address, replay_port),
+                    dp_rank=rank)
     return pods
