@@ -113,8 +113,8 @@ class PodStream:
         if verdict is Verdict.APPLY:
             await self._apply(batch)
         elif verdict is Verdict.GAP:
-            log.info("%s/%s: batches %d..%d missing, replaying", self.pod.pool, self.pod.pod,
-                     self.tracker.expected, batch.seq - 1)
+            log.info("%s/%s rank %d: batches %d..%d missing, replaying", self.pod.pool,
+                     self.pod.pod, self.pod.dp_rank, self.tracker.expected, batch.seq - 1)
             await self._recover(batch)
         elif verdict is Verdict.RESET:
             log.info("%s/%s: sequence restarted at %d (engine restart)", self.pod.pool,
@@ -130,14 +130,16 @@ class PodStream:
         self.tracker.applied(batch.seq, batch.ts)
         if batch.events:
             pod = self.pod
-            await self._publish(KVBlockChanges(pod.pool, pod.pod, pod.address, batch.seq, batch.ts,
-                                         list(batch.events), pod.dp_rank))
+            await self._publish(KVBlockChanges(
+                pod.pool, pod.pod, pod.address, batch.seq, batch.ts, list(batch.events),
+                pod.dp_rank))
 
     async def _marker(self, resync: bool) -> None:
         """Tell subscribers this rank's cache is empty (``resync``: and partly unknown)."""
         pod = self.pod
-        await self._publish(KVBlockChanges(pod.pool, pod.pod, pod.address, -1, time.time(),
-                                     [AllBlocksCleared()], pod.dp_rank, resync=resync))
+        await self._publish(KVBlockChanges(
+            pod.pool, pod.pod, pod.address, -1, time.time(), [AllBlocksCleared()], pod.dp_rank,
+            resync=resync))
 
     async def _recover(self, current: EventBatch | None) -> None:
         """Replay from the expected sequence; then apply ``current`` (the batch that showed the
