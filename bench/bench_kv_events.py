@@ -24,13 +24,13 @@ from collections.abc import Callable
 import msgspec
 
 from shared.kv_blocks import KVBlockChanges, encode
-from shared.kv_events import BlockStored, KVEventDecoder, encode_payload
+from shared.kv_events import BlockStored, Encoding, KVEventDecoder, encode_payload
 from simulator.engine import EngineConfig, RequestSpec
 from simulator.profiles import PROFILES
 from simulator.virtual_time import Arrival, VirtualFleet
 
 
-def batch_frames(encoding: str) -> list[bytes]:
+def batch_frames(encoding: Encoding) -> list[bytes]:
     """``[topic, seq, payload]`` of one batch storing 64 blocks of 16 tokens."""
     rng = random.Random(0)
     event = BlockStored(tuple(rng.getrandbits(64) for _ in range(64)), rng.getrandbits(64),
@@ -46,7 +46,8 @@ def per_call_us(call: Callable[[], object], count: int) -> float:
 
 
 def bench_decode(runs: int, batches: int) -> None:
-    for encoding in ("map", "array"):
+    order: tuple[Encoding, ...] = ("map", "array")
+    for encoding in order:
         frames = batch_frames(encoding)
         decoder = KVEventDecoder()
 

@@ -182,16 +182,19 @@ class KVEventDecoder:
     def decode_message(self, frames: list[bytes]) -> EventBatch | None:
         """A PUB message ``[topic, seq, payload]``; None (counted, logged) if it is malformed."""
         if len(frames) != 3:
-            return self._skip("frames", f"{len(frames)} frames, expected 3")
+            self._skip("frames", f"{len(frames)} frames, expected 3")
+            return None
         seq = frames[1]
         if len(seq) != 8:
-            return self._skip("seq", f"sequence of {len(seq)} bytes, expected 8")
+            self._skip("seq", f"sequence of {len(seq)} bytes, expected 8")
+            return None
         return self.decode_payload(int.from_bytes(seq, "big"), frames[2])
 
     def decode_payload(self, seq: int, payload: bytes) -> EventBatch | None:
         """The msgpack payload of message ``seq``; None (counted, logged) if it is malformed."""
         if len(payload) > self.limits.max_message_bytes:
-            return self._skip("size", f"seq {seq}: {len(payload)} bytes")
+            self._skip("size", f"seq {seq}: {len(payload)} bytes")
+            return None
         fast = self._decode_typed(seq, payload)
         return fast if fast is not None else self._decode_tolerant(seq, payload)
 
@@ -200,11 +203,13 @@ class KVEventDecoder:
         try:
             raw = self._payload.decode(payload)
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-            return self._skip("msgpack", f"seq {seq}: {exc}")
+            self._skip("msgpack", f"seq {seq}: {exc}")
+            return None
         try:
             return self._batch(seq, raw)
         except _Malformed as exc:
-            return self._skip(exc.args[0], f"seq {seq}: {exc.args[1]}")
+            self._skip(exc.args[0], f"seq {seq}: {exc.args[1]}")
+            return None
 
     def _decode_typed(self, seq: int, payload: bytes) -> EventBatch | None:
         """The batch if it is well-formed in one encoding, within the limits; else None (the
@@ -247,7 +252,6 @@ class KVEventDecoder:
         self.skipped[reason] += 1
         self._on_skip(reason)
         self._log.warning("skipping a malformed KV-event message (%s): %s", reason, detail)
-        return None
 
     def _batch(self, seq: int, raw: Any) -> EventBatch:
         if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
