@@ -18,9 +18,10 @@ from nats.aio.msg import Msg
 
 from lig.nats_config import write_config
 from lig.server_binaries import server_binary
-from services.kvevents.recording import ensure_stream, stream_config
+from services.kvevents.recording import stream_config
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
+from shared.recording import ensure_stream
 from shared.schemas import PodMetrics, encode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer

@@ -11,112 +11,114 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import os
 from collections.abc import Coroutine
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq.asyncio
 from nats.aio.client import Client
-from prometheus_client import start_http_server
 
 from services.kvevents.observability import KVEventsMetrics
 from services.kvevents.pod_stream import PodEndpoints, PodStream, StreamSettings
-from services.kvevents.recording import stream_config, try_ensure_stream
+from services.kvevents.recording import stream_config
 from services.kvevents.targets import PortSpec, parse_port, pods_from_view
 from shared import ports
+from shared.host.lifespan import Lifespan
+from shared.host.settings import add_flags, from_args, option
 from shared.kv_blocks import KVBlockChanges, encode
 from shared.kv_events import KVEventDecoder, Limits
-from shared.logs import add_logging_arguments, setup_logging
-from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
+from shared.logs import LogLevel, setup_logging
+from shared.nats_connection import NatsSettings, connection
+from shared.recording import keep_stream
 from shared.registry_view import RegistryView, RegistryWatcher
-from shared.service import cancel_and_wait, finish_within, run_service
+from shared.replication import warn_about_replication
+from shared.service import run_service
 from shared.subjects import Subjects
 
 log = logging.getLogger("lig.kv_events")
 
 SHUTDOWN_TIMEOUT_S = 1.0
+MAX_DP_RANKS = 1024
 
 
 class KVEventsSettings(msgspec.Struct, frozen=True):
-    """Everything ``lig kv-events`` is configured with."""
+    """Everything ``lig kv-events`` is configured with: one field per flag."""
 
-    nats: NatsSettings
-    events_port: PortSpec = PortSpec(ports.KV_EVENTS)
-    replay_port: PortSpec | None = PortSpec(ports.KV_EVENTS_REPLAY)
-    shard: int = 0
-    shards: int = 1
-    dp_ranks: int = 1
-    stream: StreamSettings = StreamSettings()
-    limits: Limits = Limits()
-    record_max_age_s: float = 3600.0
-    record_max_bytes: int = 1 << 30
-    host: str = "0.0.0.0"
-    metrics_port: int = ports.KV_EVENTS_METRICS
+    nats: NatsSettings = NatsSettings()
+    # Text as given (the registry has no events port): N, +N or -N, read by events/replay.
+    events_port: Annotated[str, option(
+        "each pod's KV-event PUB port: N, or +N/-N relative to the port the pod serves on "
+        "(several pods on one host, as with lig sim)", metavar="PORT")] = str(ports.KV_EVENTS)
+    replay_port: Annotated[str, option(
+        "each pod's replay ROUTER port, same forms; 'none': no replay (every gap then becomes "
+        "a resync marker)", metavar="PORT")] = str(ports.KV_EVENTS_REPLAY)
+    dp_ranks: Annotated[int, option(
+        "data-parallel ranks per pod: rank r publishes on both ports + r (as vLLM does), each "
+        "with its own sequence", ge=1, le=MAX_DP_RANKS)] = 1
+    shards: Annotated[int, option(
+        "replicas sharing the pods (rendezvous hashing on pool/pod)", ge=1)] = 1
+    shard: Annotated[int, option("this replica's number, 0-based; below --shards", ge=0)] = 0
+    replay_timeout_s: Annotated[float, option(
+        "seconds to wait for each frame of a replay before giving up", flag="--replay-timeout",
+        gt=0)] = StreamSettings().replay_timeout_s
+    max_message_bytes: Annotated[int, option(
+        "larger event messages are skipped (counted)", ge=64)] = Limits().max_message_bytes
+    record_max_age_s: Annotated[float, option(
+        "seconds of block changes the LIG_KVBLOCKS stream keeps; 0 disables recording",
+        flag="--record-max-age", ge=0)] = 3600.0
+    record_max_bytes: Annotated[int, option(
+        "bytes the LIG_KVBLOCKS stream keeps at most (oldest dropped)", ge=1)] = 1 << 30
+    host: Annotated[str, option("address the metrics endpoint listens on")] = "0.0.0.0"
+    metrics_port: Annotated[int, option(
+        "port of this service's Prometheus metrics; 0 disables", ge=0)] = ports.KV_EVENTS_METRICS
+    log_level: LogLevel = "INFO"
+
+    def __post_init__(self) -> None:
+        # The bounds of single fields are their annotations; this checks the rest.
+        if self.shard >= self.shards:
+            raise ValueError("--shard (env LIG_SHARD) must be below --shards (env LIG_SHARDS)")
+        _ = (self.events, self.replay)  # each raises ValueError naming its flag
+
+    @property
+    def events(self) -> PortSpec:
+        """``--events-port`` parsed."""
+        return parse_port(self.events_port, "--events-port (env LIG_EVENTS_PORT)")
+
+    @property
+    def replay(self) -> PortSpec | None:
+        """``--replay-port`` parsed; None for ``none``."""
+        if self.replay_port.strip().lower() == "none":
+            return None
+        return parse_port(self.replay_port, "--replay-port (env LIG_REPLAY_PORT)")
+
+    @property
+    def stream(self) -> StreamSettings:
+        """The bounds of each pod's stream."""
+        return StreamSettings(replay_timeout_s=self.replay_timeout_s)
+
+    @property
+    def limits(self) -> Limits:
+        """The bounds of one event message."""
+        return Limits(max_message_bytes=self.max_message_bytes)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``lig kv-events``."""
-    parser.add_argument("--events-port", default=str(ports.KV_EVENTS),
-                        help="each pod's KV-event PUB port: N, or +N/-N relative to the port "
-                             "the pod serves on (several pods on one host, as with lig sim)")
-    parser.add_argument("--replay-port", default=str(ports.KV_EVENTS_REPLAY),
-                        help="each pod's replay ROUTER port, same forms; 'none': no replay "
-                             "(every gap then becomes a resync marker)")
-    parser.add_argument("--dp-ranks", type=int, default=1,
-                        help="data-parallel ranks per pod: rank r publishes on both ports + r "
-                             "(as vLLM does), each with its own sequence")
-    parser.add_argument("--shards", type=int, default=1,
-                        help="replicas sharing the pods (rendezvous hashing on pool/pod)")
-    parser.add_argument("--shard", type=int, default=0, help="this replica's number, 0-based")
-    parser.add_argument("--replay-timeout", type=float, default=2.0,
-                        help="seconds to wait for each frame of a replay before giving up")
-    parser.add_argument("--max-message-bytes", type=int, default=Limits().max_message_bytes,
-                        help="larger event messages are skipped (counted)")
-    parser.add_argument("--record-max-age", type=float, default=3600.0,
-                        help="seconds of block changes the LIG_KVBLOCKS stream keeps; 0 disables "
-                             "recording")
-    parser.add_argument("--record-max-bytes", type=int, default=1 << 30,
-                        help="bytes the LIG_KVBLOCKS stream keeps at most (oldest dropped)")
-    parser.add_argument("--host", default=os.environ.get("LIG_HOST", "0.0.0.0"),
-                        help="address the metrics endpoint listens on (env LIG_HOST)")
-    parser.add_argument("--metrics-port", type=int, default=ports.KV_EVENTS_METRICS,
-                        help="port of this service's Prometheus metrics; 0 disables")
-    add_nats_arguments(parser)
-    add_logging_arguments(parser)
+    """Add the flags of ``lig kv-events`` (one per :class:`KVEventsSettings` field)."""
+    add_flags(parser, KVEventsSettings)
 
 
 def settings_from(args: argparse.Namespace) -> KVEventsSettings:
-    """Validated settings from parsed flags; ValueError names the bad flag."""
-    if args.shards < 1 or not 0 <= args.shard < args.shards:
-        raise ValueError("--shards must be >= 1 and --shard in 0..--shards-1")
-    if not 1 <= args.dp_ranks <= 1024:
-        raise ValueError("--dp-ranks must be in 1..1024")
-    if args.replay_timeout <= 0 or args.max_message_bytes < 64:
-        raise ValueError("--replay-timeout must be > 0 and --max-message-bytes >= 64")
-    if args.record_max_age < 0 or args.record_max_bytes < 1:
-        raise ValueError("--record-max-age must be >= 0 and --record-max-bytes >= 1")
-    replay = None if args.replay_port.lower() == "none" \
-        else parse_port(args.replay_port, "--replay-port")
-    return KVEventsSettings(
-        nats=settings_from_args(args), events_port=parse_port(args.events_port, "--events-port"),
-        replay_port=replay, shard=args.shard, shards=args.shards, dp_ranks=args.dp_ranks,
-        stream=StreamSettings(replay_timeout_s=args.replay_timeout),
-        limits=Limits(max_message_bytes=args.max_message_bytes),
-        record_max_age_s=args.record_max_age, record_max_bytes=args.record_max_bytes,
-        host=args.host, metrics_port=args.metrics_port)
+    """Validated settings: flags, else ``LIG_*`` variables, else defaults; ConfigError (a
+    ValueError) names the bad flag."""
+    settings: KVEventsSettings = from_args(KVEventsSettings, args)
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT."""
-    setup_logging("kv-events", args.log_level)
-    try:
-        settings = settings_from(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
+    settings = settings_from(args)
+    setup_logging("kv-events", settings.log_level)
     return run_service(lambda stop: KVEventsService(settings).run(stop))
 
 
@@ -135,65 +137,48 @@ class KVEventsService:
         self._nc: Client | None = None
         self._watcher: RegistryWatcher | None = None
         self._stop = asyncio.Event()
+        self._recording: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Serve metrics, connect, work until ``stop`` is set, then stop within a second or so."""
+        """Serve metrics, connect, work until ``stop`` is set, then leave cleanly."""
         settings = self.settings
-        server = None
-        if settings.metrics_port:
-            try:
-                server, thread = start_http_server(settings.metrics_port, addr=settings.host,
-                                                   registry=self.metrics.prometheus)
-            except OSError as exc:
-                log.error("cannot serve metrics on %s:%d: %s", settings.host,
-                          settings.metrics_port, exc)
-                return 1
-        try:
-            connecting = asyncio.create_task(connect(settings.nats, "lig-kv-events",
-                                                     on_reconnect=self._reconnected))
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not connecting.done():
-                await cancel_and_wait(connecting)
-                return 0
-            await self._work(connecting.result(), stop)
-        finally:
-            await self._stop_tasks([task for _, task in self.streams.values()])
-            self._ctx.term()
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-                thread.join(timeout=1)
-            log.info("kv-events stopped")
+        async with Lifespan() as life:
+            life.metrics_server(settings.host, settings.metrics_port, self.metrics.prometheus)
+            # Last out: closing the context ends the sockets of a stream that outlived its bound.
+            life.callback(lambda: self._ctx.destroy(linger=0))
+            # Drained on the way out: the last block changes go out.
+            nc = await life.enter(connection(
+                settings.nats, "lig-kv-events", stop, on_reconnect=self._reconnected,
+                drain=True, close_within=SHUTDOWN_TIMEOUT_S))
+            if nc is not None:
+                self._start(nc, stop, life)
+                await stop.wait()
+        log.info("kv-events stopped")
         return 0
 
-    async def _work(self, nc: Client, stop: asyncio.Event) -> None:
+    def _start(self, nc: Client, stop: asyncio.Event, life: Lifespan) -> None:
+        settings = self.settings
         self._nc, self._stop = nc, stop
-        self._watcher = watcher = RegistryWatcher(
+        warn_about_replication(nc, settings.nats.replicas, "kv-events")
+        self._watcher = RegistryWatcher(
             nc.jetstream(), self.subjects.registry_bucket, self.view, on_change=self.reconcile,
             on_undecodable=lambda key, exc: self.metrics.skipped.labels("registry").inc())
-        recording = asyncio.create_task(self._keep_recording(nc, stop))
-        watching = asyncio.create_task(watcher.run(stop))
+        life.on_close(self._stop_streams, within=SHUTDOWN_TIMEOUT_S)
+        life.callback(self._stop_recording)
+        self._start_recording(nc)
+        life.task(self._watcher.run(stop), finish=SHUTDOWN_TIMEOUT_S)
         log.info("kv-events ready: events port %s, replay port %s, %d rank(s) per pod, "
-                 "shard %d of %d, nats %s", _show(self.settings.events_port),
-                 _show(self.settings.replay_port), self.settings.dp_ranks, self.settings.shard,
-                 self.settings.shards, self.settings.nats.url)
-        try:
-            await stop.wait()
-        finally:
-            recording.cancel()
-            await finish_within(asyncio.gather(watching, recording, return_exceptions=True),
-                                SHUTDOWN_TIMEOUT_S)
-            await self._stop_tasks([task for _, task in self.streams.values()])
-            await finish_within(nc.drain(), SHUTDOWN_TIMEOUT_S)
+                 "shard %d of %d, metrics on %s, nats %s", settings.events,
+                 settings.replay or "none", settings.dp_ranks, settings.shard, settings.shards,
+                 f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else "off",
+                 settings.nats.url)
 
     def reconcile(self) -> None:
         """Subscribe to exactly the pods this shard owns now (a pod whose address or ports
         changed gets a fresh stream)."""
         settings = self.settings
-        wanted = pods_from_view(self.view, settings.events_port, settings.replay_port,
+        wanted = pods_from_view(self.view, settings.events, settings.replay,
                                 settings.shard, settings.shards, settings.dp_ranks)
         gone = [key for key, (pod, _) in self.streams.items() if wanted.get(key) != pod]
         if gone:
@@ -249,25 +234,26 @@ class KVEventsService:
             return
         self.metrics.published.inc()
 
-    async def _keep_recording(self, nc: Client, stop: asyncio.Event) -> None:
+    def _start_recording(self, nc: Client) -> None:
         settings = self.settings
         if settings.record_max_age_s <= 0:
             return
+        if self._recording is not None:
+            self._recording.cancel()
         wanted = stream_config(self.subjects, settings.record_max_age_s,
                                settings.record_max_bytes, settings.nats.replicas)
-        while not stop.is_set() and not await try_ensure_stream(nc.jetstream(), wanted):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+        self._recording = asyncio.create_task(keep_stream(nc.jetstream(), wanted, self._stop))
+
+    def _stop_recording(self) -> None:
+        if self._recording is not None:
+            self._recording.cancel()
+
+    async def _stop_streams(self) -> None:
+        await self._stop_tasks([task for _, task in self.streams.values()])
 
     async def _reconnected(self) -> None:
         if self._watcher is not None:
             self._watcher.resync()
         # A restarted NATS server may have lost its store: make sure the stream exists.
         if self._nc is not None:
-            self._background(self._keep_recording(self._nc, self._stop))
-
-
-def _show(spec: PortSpec | None) -> str:
-    if spec is None:
-        return "none"
-    return f"{spec.value:+d}" if spec.relative else str(spec.value)
+            self._start_recording(self._nc)

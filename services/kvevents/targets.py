@@ -25,6 +25,10 @@ class PortSpec(msgspec.Struct, frozen=True):
         """The port on a pod serving on ``serving_port``."""
         return serving_port + self.value if self.relative else self.value
 
+    def __str__(self) -> str:
+        """As the flag takes it: ``5557`` or ``+1000``."""
+        return f"{self.value:+d}" if self.relative else str(self.value)
+
 
 def parse_port(text: str, flag: str) -> PortSpec:
     """``5557``, ``+N`` or ``-N``; ValueError names ``flag``."""
