@@ -63,6 +63,10 @@ async def ensure_stream(js: JetStreamContext, wanted: StreamConfig) -> str:
     if _limits_differ(current, wanted):
         current.subjects = wanted.subjects
         current.max_age = wanted.max_age
+        if wanted.max_age and (current.duplicate_window or 0) > wanted.max_age:
+            # The server sets the window to min(2 min, max age) at creation and refuses a
+            # max age below it: shortening the recording would fail on every retry.
+            current.duplicate_window = wanted.max_age
         if wanted.max_bytes is not None:
             current.max_bytes = wanted.max_bytes
         await js.update_stream(current)
