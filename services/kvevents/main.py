@@ -144,9 +144,9 @@ class KVEventsService:
         """Serve metrics, connect, work until ``stop`` is set, then leave cleanly."""
         settings = self.settings
         async with Lifespan() as life:
-            life.metrics_server(settings.host, settings.metrics_port, self.metrics.prometheus)
             # Last out: closing the context ends the sockets of a stream that outlived its bound.
             life.callback(lambda: self._ctx.destroy(linger=0))
+            life.metrics_server(settings.host, settings.metrics_port, self.metrics.prometheus)
             # Drained on the way out: the last block changes go out.
             nc = await life.enter(connection(
                 settings.nats, "lig-kv-events", stop, on_reconnect=self._reconnected,
