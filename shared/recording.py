@@ -104,8 +104,8 @@ async def keep_stream(js: JetStreamContext, wanted: StreamConfig, stop: asyncio.
                              wanted.name, replicas, exc)
         else:
             size = f", max {wanted.max_bytes} bytes" if wanted.max_bytes is not None else ""
-            log.info("recording %s in stream %s (max age %g s%s, %d replicas): %s",
-                     wanted.description, wanted.name, wanted.max_age or 0, size, replicas,
+            log.info("recording stream %s (%s; max age %g s%s, %d replicas): %s",
+                     wanted.name, wanted.description, wanted.max_age or 0, size, replicas,
                      action)
             return
         with contextlib.suppress(TimeoutError):
