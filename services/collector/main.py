@@ -22,7 +22,7 @@ from services.collector.observability import CollectorMetrics, serve_metrics
 from services.collector.ownership import owned_by
 from services.collector.pod_loop import Cadence, run_pod_loop
 from services.collector.publisher import SnapshotPublisher
-from services.collector.recording import keep_stream
+from services.collector.recording import StreamBytes, keep_stream
 from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import Scraper
 from services.collector.targets import ScrapeTarget, targets_from_view
@@ -49,6 +49,7 @@ class CollectorSettings(msgspec.Struct, frozen=True):
     max_backoff_s: float = 1.0
     heartbeat_s: float = 1.0
     record_max_age_s: float = 3600.0
+    record_max_bytes: StreamBytes = StreamBytes()
     host: str = "0.0.0.0"
     metrics_port: int = 9091
 
@@ -68,6 +69,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-max-age", type=float, default=3600.0,
                         help="seconds of snapshots the LIG_METRICS stream keeps; 0 disables "
                              "recording")
+    parser.add_argument("--record-max-bytes", type=int, default=StreamBytes().metrics,
+                        help="bytes of snapshots the LIG_METRICS stream keeps; the oldest go "
+                             "first when this or --record-max-age is reached")
+    parser.add_argument("--record-decisions-max-bytes", type=int,
+                        default=StreamBytes().decisions,
+                        help="bytes of picker decisions the LIG_DECISIONS stream keeps (same "
+                             "age limit); registry changes (LIG_REGISTRY) keep "
+                             f"{StreamBytes().registry} bytes")
     parser.add_argument("--collector-id", default=f"{socket.gethostname()}-{os.getpid()}",
                         help="this collector's name among its peers")
     parser.add_argument("--host", default=os.environ.get("LIG_HOST", "0.0.0.0"),
@@ -87,7 +96,10 @@ def settings_from(args: argparse.Namespace) -> CollectorSettings:
         raise ValueError("--scrape-timeout must be above 0 and below --interval")
     if args.heartbeat <= 0 or args.max_backoff <= 0 or args.record_max_age < 0:
         raise ValueError("--heartbeat and --max-backoff must be > 0, --record-max-age >= 0")
+    if args.record_max_bytes <= 0 or args.record_decisions_max_bytes <= 0:
+        raise ValueError("--record-max-bytes and --record-decisions-max-bytes must be > 0")
     return CollectorSettings(
+        record_max_bytes=StreamBytes(args.record_max_bytes, args.record_decisions_max_bytes),
         nats=settings_from_args(args), collector_id=args.collector_id,
         interval_s=args.interval, scrape_timeout_s=timeout, max_backoff_s=args.max_backoff,
         heartbeat_s=args.heartbeat, record_max_age_s=args.record_max_age, host=args.host,
@@ -223,7 +235,7 @@ class Collector:
             self._recording.cancel()
         self._recording = asyncio.create_task(keep_stream(
             nc.jetstream(), self.subjects, self.settings.record_max_age_s, self._stop,
-            replicas=self.settings.nats.replicas))
+            replicas=self.settings.nats.replicas, max_bytes=self.settings.record_max_bytes))
 
     async def _reconnected(self) -> None:
         if self.watcher is not None:
