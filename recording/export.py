@@ -52,6 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Export; exit 0 with a one-line summary, 2 on bad flags, 1 when NATS fails."""
     setup_logging("record", args.log_level)
+    # The connection's own reconnect chatter (a disconnect on close) is not for this tool.
+    logging.getLogger("lig.nats").setLevel(logging.ERROR)
     try:
         window = window_from(args.since, args.start, args.end, time.time_ns())
     except ValueError as exc:

@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     """Replay until the file ends or SIGTERM/SIGINT; 2 for a bad file or flags, 1 when NATS
     fails."""
     setup_logging("replay", args.log_level)
+    # The connection's own reconnect chatter (a disconnect on close) is not for this tool.
+    logging.getLogger("lig.nats").setLevel(logging.ERROR)
     if not args.speed > 0:
         print("lig replay: --speed must be > 0", file=sys.stderr)
         return 2
