@@ -130,10 +130,10 @@ async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: 
     return got
 
 
-async def recorded_messages(nc: Client) -> int:
-    """Messages in the recording stream (0 while it does not exist or does not answer)."""
+async def recorded_messages(nc: Client, stream: str = SUBJECTS.metrics_stream) -> int:
+    """Messages in a recording stream (0 while it does not exist or does not answer)."""
     try:
-        return (await nc.jetstream(timeout=2).stream_info(SUBJECTS.metrics_stream)).state.messages
+        return (await nc.jetstream(timeout=2).stream_info(stream)).state.messages
     except (nats.errors.Error, TimeoutError):
         return 0
 
@@ -298,13 +298,25 @@ async def test_every_service_works_with_its_own_credentials(
             picker.wait_ready(timeout=60)
             status = await secured.connect("status")
             try:
-                # The collector creates the recording stream beside its first scrapes.
+                # The collector creates the recording streams beside its first scrapes; the
+                # registry's writes reach theirs through the server-side source.
                 deadline = time.monotonic() + 15
-                while not await recorded_messages(status):
-                    assert time.monotonic() < deadline, "nothing recorded in 15 s"
-                    await asyncio.sleep(0.2)
+                for stream in (SUBJECTS.metrics_stream, SUBJECTS.registry_stream):
+                    while not await recorded_messages(status, stream):
+                        assert time.monotonic() < deadline, f"nothing in {stream} in 15 s"
+                        await asyncio.sleep(0.2)
+                await status.jetstream(timeout=2).stream_info(SUBJECTS.decisions_stream)
             finally:
                 await status.close()
+            # ``lig record`` reads every recording with the status user's credentials.
+            recorded = await asyncio.to_thread(subprocess.run, [
+                sys.executable, "-m", "lig.cli", "record", "--out", str(tmp_path / "r.ligrec"),
+                "--since", "1m", "--nats-url", secured.url, *secured.flags("status"),
+                "--log-level", "INFO"], capture_output=True, text=True, timeout=60)
+            assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+            assert "registry_change" in recorded.stdout and "snapshot" in recorded.stdout, \
+                recorded.stdout
+            assert "violation" not in recorded.stderr.lower(), recorded.stderr
             result = await asyncio.to_thread(status_until_fresh, [
                 "--nats-url", secured.url, *secured.flags("status"),
                 "--state-dir", str(tmp_path / "none")])
