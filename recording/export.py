@@ -37,16 +37,21 @@ CONNECT_TIMEOUT_S = 10.0
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``lig record``'s flags."""
-    parser.add_argument("--out", required=True, help="file to write (format: docs/recording.md)")
-    parser.add_argument("--since", default=None,
-                        help="export the last DURATION (90s, 10m, 1h); default 10m")
-    parser.add_argument("--from", dest="start", default=None,
+    parser.add_argument("--out", required=True, metavar="FILE", default=argparse.SUPPRESS,
+                        help="file to write (format: docs/recording.md); written aside and "
+                             "renamed when complete")
+    parser.add_argument("--since", default=argparse.SUPPRESS, metavar="DURATION",
+                        help="export the last DURATION (90s, 10m, 1h); without --from: 10m")
+    parser.add_argument("--from", dest="start", default=argparse.SUPPRESS, metavar="T",
                         help="window start: ISO 8601 (UTC unless a zone is given) or unix "
                              "seconds")
-    parser.add_argument("--to", dest="end", default=None, help="window end (default: now)")
-    parser.add_argument("--pool", default=None, help="export only this pool (default: all)")
+    parser.add_argument("--to", dest="end", default=argparse.SUPPRESS, metavar="T",
+                        help="window end (without it: now)")
+    parser.add_argument("--pool", default=argparse.SUPPRESS,
+                        help="export only this pool (without it: every pool)")
     add_nats_arguments(parser)
-    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    parser.add_argument("--log-level", default="WARNING",
+                        help="logging level (INFO names every stream read)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     # The connection's own reconnect chatter (a disconnect on close) is not for this tool.
     logging.getLogger("lig.nats").setLevel(logging.ERROR)
     try:
-        window = window_from(args.since, args.start, args.end, time.time_ns())
+        window = window_from(getattr(args, "since", None), getattr(args, "start", None),
+                             getattr(args, "end", None), time.time_ns())
     except ValueError as exc:
         print(f"lig record: {exc}", file=sys.stderr)
         return 2
@@ -63,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     partial = Path(f"{args.out}.partial")
     try:
         with partial.open("wb") as out:
-            counts = asyncio.run(export(settings_from_args(args), window, out, args.pool))
+            counts = asyncio.run(export(settings_from_args(args), window, out,
+                                        getattr(args, "pool", None)))
         partial.replace(args.out)
     except (NatsError, TimeoutError, OSError) as exc:
         print(f"lig record: {type(exc).__name__}: {exc}", file=sys.stderr)
