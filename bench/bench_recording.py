@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import logging
 import statistics
 import sys
 import tempfile
@@ -104,6 +105,7 @@ def main() -> int:
     parser.add_argument("--decisions", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    logging.getLogger("lig").setLevel(logging.ERROR)  # "no registry bucket here" is expected
     with tempfile.TemporaryDirectory() as tmp:
         server = NatsServer(Path(tmp) / "js")
         server.start()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
@@ -17,9 +19,12 @@ log = logging.getLogger("lig.record")
 BATCH = 1024
 FETCH_TIMEOUT_S = 5.0
 CONSUMER_IDLE_S = 30.0  # the server removes the consumer this long after the export stops
-_TS_FROM_END_V1 = 2  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+# Reply subjects of a JetStream delivery, and where sequence, time and pending count are:
+# v1 $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+# v2 $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[...]
 _V1_TOKENS = 9
-_V2_TIMESTAMP = 9  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>...
+_V1_FIELDS = (5, 7, 8)
+_V2_FIELDS = (7, 9, 10)
 
 
 class Stored(msgspec.Struct, frozen=True):
@@ -32,13 +37,12 @@ class Stored(msgspec.Struct, frozen=True):
     data: bytes
 
 
-def stored_time_ns(reply: str) -> tuple[int, int]:
-    """``(stream sequence, store time in unix ns)`` from a JetStream delivery's reply subject
-    (nats-py's metadata rounds the time through a float)."""
+def delivery_fields(reply: str) -> tuple[int, int, int]:
+    """``(stream sequence, store time in unix ns, messages still pending)`` from a JetStream
+    delivery's reply subject (nats-py's metadata rounds the time through a float)."""
     tokens = reply.split(".")
-    if len(tokens) == _V1_TOKENS:
-        return int(tokens[5]), int(tokens[-_TS_FROM_END_V1])
-    return int(tokens[7]), int(tokens[_V2_TIMESTAMP])
+    seq, stamp, pending = _V1_FIELDS if len(tokens) == _V1_TOKENS else _V2_FIELDS
+    return int(tokens[seq]), int(tokens[stamp]), int(tokens[pending])
 
 
 async def read_stream(js: JetStreamContext, stream: str, subject: str,
@@ -60,13 +64,21 @@ async def read_stream(js: JetStreamContext, stream: str, subject: str,
         config.opt_start_time = datetime.datetime.fromtimestamp(
             from_ns / 1e9, datetime.UTC).isoformat().replace("+00:00", "Z")
     subscription = await js.pull_subscribe(subject, stream=stream, config=config)
+    consumer = await subscription.consumer_info()
     try:
-        pending = (await subscription.consumer_info()).num_pending
+        pending = consumer.num_pending
         while pending > 0:
-            batch: list[Msg] = await subscription.fetch(min(pending, BATCH), FETCH_TIMEOUT_S)
+            try:
+                batch: list[Msg] = await subscription.fetch(min(pending, BATCH),
+                                                            FETCH_TIMEOUT_S)
+            except TimeoutError:
+                # The age or size limit may have removed what was pending when counted.
+                pending = (await subscription.consumer_info()).num_pending
+                if pending:
+                    raise
+                return
             for message in batch:
-                pending -= 1
-                seq, time_ns = stored_time_ns(message.reply)
+                seq, time_ns, pending = delivery_fields(message.reply)
                 if from_ns is not None and time_ns <= from_ns:
                     continue
                 if time_ns > to_ns:
@@ -74,3 +86,6 @@ async def read_stream(js: JetStreamContext, stream: str, subject: str,
                 yield Stored(seq, time_ns, message.subject, message.headers, message.data)
     finally:
         await subscription.unsubscribe()
+        # Gone after CONSUMER_IDLE_S anyway; deleting it now keeps the stream's list short.
+        with contextlib.suppress(NatsError, TimeoutError):
+            await js.delete_consumer(stream, consumer.name)
