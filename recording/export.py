@@ -51,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="export only this pool (without it: every pool)")
     add_nats_arguments(parser)
     parser.add_argument("--log-level", default="WARNING",
-                        help="logging level (INFO names every stream read)")
+                        help="logging level")
 
 
 def run(args: argparse.Namespace) -> int:
