@@ -4,11 +4,13 @@ window flags, and the registry as of a time from the bucket and its sourced reco
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
 from recording.fileformat import (
     FORMAT_VERSION,
+    READ_CHUNK,
     Entry,
     FileHeader,
     Kind,
@@ -102,3 +104,29 @@ def test_registry_at_the_window_start_joins_the_bucket_and_its_recording() -> No
     assert state_at(joined, 1010) == [Revision(7, 70, "endpoints.p", b"e2"),
                                       Revision(9, 90, "pool.p", b"p2")]  # model deleted
     assert [item.bucket_seq for item in changes_in(joined, 80, 1007)] == [5, 6, 9]
+
+
+class _CountingReads(io.BytesIO):
+    """A file that remembers the largest single read."""
+
+    largest = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        self.largest = max(self.largest, len(data))
+        return data
+
+
+def test_a_recording_is_read_in_bounded_chunks_not_whole() -> None:
+    out = io.BytesIO()
+    writer = Writer(out, HEADER)
+    for i in range(2_000):  # ~8 MB of incompressible snapshots
+        writer.add(Kind.SNAPSHOT, Entry(i, "metrics.p.a", os.urandom(4096)))
+    writer.close()
+    source = _CountingReads(out.getvalue())
+    read_header(source)
+    entries = read_entries(source)
+    next(entries)
+    assert source.tell() <= 2 * READ_CHUNK  # one entry needed one chunk or two, not the file
+    assert sum(1 for _ in entries) == 1_999
+    assert source.largest <= READ_CHUNK
