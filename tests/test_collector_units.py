@@ -225,10 +225,12 @@ def test_flag_defaults_and_validation() -> None:
 
 
 def test_recording_size_flags() -> None:
-    assert settings_from(_parse_flags()).record_max_bytes == StreamBytes()
+    defaults = settings_from(_parse_flags())
+    assert (defaults.record_max_bytes, defaults.record_decisions_max_bytes) == \
+        (StreamBytes().metrics, StreamBytes().decisions) == (2 << 30, 1 << 30)
     settings = settings_from(_parse_flags("--record-max-bytes", "1000",
                                           "--record-decisions-max-bytes", "500"))
-    assert settings.record_max_bytes == StreamBytes(metrics=1000, decisions=500)
+    assert (settings.record_max_bytes, settings.record_decisions_max_bytes) == (1000, 500)
     for bad in (["--record-max-bytes", "0"], ["--record-decisions-max-bytes", "-1"]):
         with pytest.raises(ValueError):
             settings_from(_parse_flags(*bad))

@@ -107,8 +107,9 @@ async def test_recording_survives_a_nats_restart_with_or_without_its_store(
     try:
         kv = await registry_bucket(nc)
         await put_pool(kv, InferencePool(name="main", target_port=8000), [pod("a", server.port)])
-        async with running_collector(settings(nats_server.url, record_max_age_s=600.0,
-                                              record_max_bytes=SMALL)):
+        async with running_collector(settings(
+                nats_server.url, record_max_age_s=600.0, record_max_bytes=SMALL.metrics,
+                record_decisions_max_bytes=SMALL.decisions)):
             await counts.until(15, "recording", metrics=3, registry=2)
             await nc.publish(SUBJECTS.pool_decisions("main"), b"decision 1")
             await counts.until(5, "a decision recorded", decisions=1)

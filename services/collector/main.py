@@ -49,7 +49,8 @@ class CollectorSettings(msgspec.Struct, frozen=True):
     max_backoff_s: float = 1.0
     heartbeat_s: float = 1.0
     record_max_age_s: float = 3600.0
-    record_max_bytes: StreamBytes = StreamBytes()
+    record_max_bytes: int = StreamBytes().metrics
+    record_decisions_max_bytes: int = StreamBytes().decisions
     host: str = "0.0.0.0"
     metrics_port: int = 9091
 
@@ -99,7 +100,8 @@ def settings_from(args: argparse.Namespace) -> CollectorSettings:
     if args.record_max_bytes <= 0 or args.record_decisions_max_bytes <= 0:
         raise ValueError("--record-max-bytes and --record-decisions-max-bytes must be > 0")
     return CollectorSettings(
-        record_max_bytes=StreamBytes(args.record_max_bytes, args.record_decisions_max_bytes),
+        record_max_bytes=args.record_max_bytes,
+        record_decisions_max_bytes=args.record_decisions_max_bytes,
         nats=settings_from_args(args), collector_id=args.collector_id,
         interval_s=args.interval, scrape_timeout_s=timeout, max_backoff_s=args.max_backoff,
         heartbeat_s=args.heartbeat, record_max_age_s=args.record_max_age, host=args.host,
@@ -235,7 +237,9 @@ class Collector:
             self._recording.cancel()
         self._recording = asyncio.create_task(keep_stream(
             nc.jetstream(), self.subjects, self.settings.record_max_age_s, self._stop,
-            replicas=self.settings.nats.replicas, max_bytes=self.settings.record_max_bytes))
+            replicas=self.settings.nats.replicas,
+            max_bytes=StreamBytes(self.settings.record_max_bytes,
+                                  self.settings.record_decisions_max_bytes)))
 
     async def _reconnected(self) -> None:
         if self.watcher is not None:
