@@ -22,17 +22,17 @@ from typing import BinaryIO
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
+from recording.connection import connect_within
 from recording.fileformat import Entry, FileHeader, Kind, Writer
 from recording.registry_history import Revision, changes_in, join, revision, state_at
 from recording.streams import read_stream
 from recording.window import Window, window_from
 from shared.logs import setup_logging
-from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
+from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.subjects import Subjects, endpoints_key, escape_token, pool_key
 
 log = logging.getLogger("lig.record")
 
-CONNECT_TIMEOUT_S = 10.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +141,7 @@ async def export(settings: NatsSettings, window: Window, out: BinaryIO, pool: st
                  ) -> dict[str, int]:
     """Write the window to ``out``; returns the number of entries of each kind."""
     subjects = Subjects(settings.prefix)
-    nc = await asyncio.wait_for(connect(settings, "lig-record"), CONNECT_TIMEOUT_S)
+    nc = await connect_within(settings, "lig-record")
     try:
         revisions = await registry_revisions(nc, subjects, window.to_ns, pool)
         changes = sorted(changes_in(revisions, window.from_ns, window.to_ns),

@@ -24,16 +24,16 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from recording.connection import connect_within
 from recording.fileformat import Entry, FileHeader, Kind, RecordingError, read_entries, read_header
 from shared.logs import setup_logging
-from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
+from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.schemas import DecodeError, PodMetrics, decode, encode
-from shared.service import run_service
+from shared.service import cancel_and_wait, run_service
 from shared.subjects import Subjects
 
 log = logging.getLogger("lig.replay")
 
-CONNECT_TIMEOUT_S = 10.0
 BUCKET_HISTORY = 5  # as the registry creates it
 FLUSH_EVERY = 512  # snapshots published between flushes when replaying faster than recorded
 
@@ -83,10 +83,18 @@ def run(args: argparse.Namespace) -> int:
 
 async def _replay_and_report(settings: NatsSettings, header: FileHeader, source: BinaryIO,
                              speed: float, name: str, stop: asyncio.Event) -> int:
+    connecting = asyncio.ensure_future(connect_within(settings, "lig-replay"))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():  # SIGTERM while still connecting
+        await cancel_and_wait(connecting)
+        print("lig replay: stopped before NATS answered")
+        return 0
     try:
-        nc = await asyncio.wait_for(connect(settings, "lig-replay"), CONNECT_TIMEOUT_S)
-    except (NatsError, TimeoutError, OSError) as exc:
-        print(f"lig replay: cannot connect to {settings.url}: {exc}", file=sys.stderr)
+        nc = connecting.result()
+    except (NatsError, OSError) as exc:
+        print(f"lig replay: {exc}", file=sys.stderr)
         return 1
     counts = ReplayCounts()
     try:

@@ -21,6 +21,7 @@ from services.collector.recording import ensure_recording
 from shared.schemas import Endpoint, EndpointSet, InferencePool, PodMetrics, decode, encode
 from shared.subjects import Subjects, endpoints_key, pool_key
 from tests.support.nats_server import NatsServer
+from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
 from tests.support.waiting import eventually
 
@@ -237,3 +238,12 @@ def test_bad_files_give_one_line_and_exit_2(kind: str, nats_server: NatsServer,
                 "corrupt": "corrupt", "foreign": "not a lig recording",
                 "header cut": "truncated"}[kind]
     assert expected in lines[0], lines[0]
+
+
+def test_record_without_a_nats_says_so_in_one_line_and_exits_1(tmp_path: Path) -> None:
+    result = lig("record", "--out", str(tmp_path / "r.ligrec"), "--nats-url",
+                 f"nats://127.0.0.1:{free_port()}")
+    assert result.returncode == 1, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot connect to NATS at nats://127.0.0.1:" in lines[0], lines
+    assert not list(tmp_path.iterdir())  # no file, no partial file
