@@ -75,34 +75,40 @@ class Trailer(msgspec.Struct, frozen=True):
     counts: dict[str, int]
 
 
+_COUNT_NAMES = {kind: kind.name.lower() for kind in Kind}
 _entry_decoder = msgspec.msgpack.Decoder(Entry)
 _encoder = msgspec.msgpack.Encoder()
 
 
 class Writer:
-    """Writes a recording to an open binary file, frame by frame."""
+    """Writes a recording to an open binary file, frame by frame (compressed in chunks)."""
 
     def __init__(self, out: BinaryIO, header: FileHeader) -> None:
         self._out = out
         self._compressor = zlib.compressobj(COMPRESSION_LEVEL)
+        self._pending = bytearray()  # frames not compressed yet: one zlib call per chunk
         self.counts: dict[str, int] = {}
         raw = _encoder.encode(header)
         out.write(MAGIC + _PREAMBLE.pack(FORMAT_VERSION, len(raw)) + raw)
 
-    def _frame(self, kind: Kind, payload: bytes) -> None:
-        chunk = self._compressor.compress(_FRAME.pack(kind, len(payload)) + payload)
-        if chunk:
-            self._out.write(chunk)
+    def _frame(self, kind: int, payload: bytes) -> None:
+        self._pending += _FRAME.pack(kind, len(payload))
+        self._pending += payload
+        if len(self._pending) >= READ_CHUNK:
+            self._out.write(self._compressor.compress(self._pending))
+            self._pending.clear()
 
     def add(self, kind: Kind, entry: Entry) -> None:
         """Append one entry of ``kind``."""
         self._frame(kind, _encoder.encode(entry))
-        self.counts[kind.name.lower()] = self.counts.get(kind.name.lower(), 0) + 1
+        name = _COUNT_NAMES[kind]
+        self.counts[name] = self.counts.get(name, 0) + 1
 
     def close(self) -> None:
         """Write the END frame and finish the compressed stream (the file stays open)."""
         self._frame(Kind.END, _encoder.encode(Trailer(dict(self.counts))))
-        self._out.write(self._compressor.flush())
+        self._out.write(self._compressor.compress(self._pending) + self._compressor.flush())
+        self._pending.clear()
 
 
 def read_header(source: BinaryIO) -> FileHeader:

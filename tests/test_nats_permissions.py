@@ -54,8 +54,9 @@ class SecuredNats:
 
     def flags(self, service: str) -> list[str]:
         creds = self.credentials(service)
-        return ["--nats-user", creds["LIG_NATS_USER"], "--nats-password",
-                creds["LIG_NATS_PASSWORD"]]
+        # "=": a random password may start with "-", which argparse would take for a flag.
+        return ["--nats-user", creds["LIG_NATS_USER"],
+                f"--nats-password={creds['LIG_NATS_PASSWORD']}"]
 
     async def connect(self, service: str, errors: list[str] | None = None) -> Client:
         """A connection as ``service``; server errors (permission violations) go to ``errors``."""

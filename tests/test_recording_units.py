@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import io
 import os
+import struct
+import zlib
 
+import msgspec
 import pytest
 
 from recording.fileformat import (
     FORMAT_VERSION,
+    MAGIC,
     READ_CHUNK,
     Entry,
     FileHeader,
@@ -20,7 +24,7 @@ from recording.fileformat import (
     read_header,
 )
 from recording.registry_history import Revision, changes_in, join, revision, state_at
-from recording.streams import Stored, delivery_fields
+from recording.streams import Delivery, Stored, delivery_fields
 from recording.window import Window, parse_duration, parse_time, window_from
 
 HEADER = FileHeader(created_ns=5, from_ns=10, to_ns=20, prefix="lig", pool="p", source="host")
@@ -46,14 +50,16 @@ def test_a_file_reads_back_frame_for_frame_and_skips_kinds_added_later() -> None
 
 
 def test_a_file_without_its_end_frame_is_truncated() -> None:
-    out = io.BytesIO()
-    writer = Writer(out, HEADER)
-    writer.add(Kind.SNAPSHOT, Entry(13, "metrics.p.a", b"x"))
-    out.write(writer._compressor.flush())  # a complete zlib stream, but no END frame
-    source = io.BytesIO(out.getvalue())
-    read_header(source)
+    # Built by hand from docs/recording.md: a complete zlib body whose last frame is not END.
+    header = msgspec.msgpack.encode(HEADER)
+    payload = msgspec.msgpack.encode(Entry(13, "metrics.p.a", b"x"))
+    body = zlib.compress(struct.pack(">BI", Kind.SNAPSHOT, len(payload)) + payload)
+    source = io.BytesIO(MAGIC + struct.pack(">HI", 1, len(header)) + header + body)
+    assert read_header(source) == HEADER
+    entries = read_entries(source)
+    assert next(entries) == (Kind.SNAPSHOT, Entry(13, "metrics.p.a", b"x"))
     with pytest.raises(RecordingError, match="truncated"):
-        list(read_entries(source))
+        next(entries)
 
 
 def test_window_flags() -> None:
@@ -73,10 +79,9 @@ def test_window_flags() -> None:
 
 
 def test_delivery_fields_from_both_reply_subject_versions() -> None:
-    assert delivery_fields("$JS.ACK.S.C.1.42.7.1700000000123456789.3") == \
-        (42, 1700000000123456789, 3)
-    assert delivery_fields("$JS.ACK.dom.hash.S.C.1.42.7.1700000000123456789.3.rnd") == \
-        (42, 1700000000123456789, 3)
+    expected = Delivery(stream_seq=42, consumer_seq=7, time_ns=1700000000123456789, pending=3)
+    assert delivery_fields("$JS.ACK.S.C.1.42.7.1700000000123456789.3") == expected
+    assert delivery_fields("$JS.ACK.dom.hash.S.C.1.42.7.1700000000123456789.3.rnd") == expected
 
 
 def _stored(seq: int, time_ns: int, key: str, data: bytes, headers: dict[str, str] | None = None
