@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("lig.explain", "run a scheduling policy on given pods and show every step"),
     "metrics": ("lig.metrics_check", "show what the gateway reads from a model server's /metrics"),
     "bench": ("scheduling_bench.main", "compare scheduling policies on a simulated fleet"),
+    "record": ("recording.export", "export a window of the recorded fleet to one file"),
+    "replay": ("recording.replay", "publish a recording onto a NATS as a live fleet"),
     "nats-config": ("lig.nats_config", "write per-service NATS users with least privilege"),
 }
 

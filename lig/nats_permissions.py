@@ -1,7 +1,7 @@
 """Least-privilege NATS permissions of each lig service, as nats-server authorization users.
 
 What each service may do (``P`` is the subject prefix, ``B`` the registry bucket ``P-registry``,
-``S`` the recording stream ``P_METRICS``):
+``S`` the recording streams ``P_METRICS``, ``P_DECISIONS`` and ``P_REGISTRY``):
 
 | user | publishes | subscribes | JetStream |
 |---|---|---|---|
@@ -16,10 +16,14 @@ JetStream is reached by requests to ``$JS.API.<verb>.<stream>...``; the reply co
 client's ``_INBOX.>``. No user may *publish* to ``_INBOX.>``: that would let it forge answers to
 another service's JetStream requests (a fake registry entry, say). Reading a KV bucket also
 needs consumer creation (its watcher), direct gets and flow-control replies on ``$JS.FC``.
-``status`` is also the account for a future ``lig record`` (read only).
+``status`` is also the account for ``lig record`` (read only). The collector creates all the
+recording streams; the registry recording sources the bucket's stream inside the server, which
+needs no client permission on the bucket beyond creating the sourcing stream.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 
@@ -77,6 +81,12 @@ def decisions(subjects: Subjects) -> str:
     return f"{subjects.prefix}.decisions.>"
 
 
+def _recordings(subjects: Subjects, rules: Callable[[str], list[str]]) -> list[str]:
+    """``rules`` applied to every recording stream."""
+    return [rule for stream in (subjects.metrics_stream, subjects.decisions_stream,
+                                subjects.registry_stream) for rule in rules(stream)]
+
+
 def _unique(rules: list[str]) -> list[str]:
     return list(dict.fromkeys(rules))
 
@@ -90,7 +100,7 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
         publish = [f"$KV.{subjects.registry_bucket}.>", *_manage_stream(bucket)]
         subscribe: list[str] = []
     elif service == "collector":
-        publish = [subjects.all_metrics(), heartbeats, *_manage_stream(subjects.metrics_stream),
+        publish = [subjects.all_metrics(), heartbeats, *_recordings(subjects, _manage_stream),
                    *_read_stream(bucket)]
         subscribe = [subjects.all_collector_heartbeats()]
     elif service == "kv-events":
@@ -101,7 +111,7 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
         publish = [decisions(subjects), *_read_stream(bucket)]
         subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(), decisions(subjects)]
     elif service == "status":
-        publish = [*_read_stream(bucket), *_read_stream(subjects.metrics_stream),
+        publish = [*_read_stream(bucket), *_recordings(subjects, _read_stream),
                    *_read_stream(subjects.kv_blocks_stream)]
         subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(),
                      subjects.all_collector_heartbeats()]

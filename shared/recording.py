@@ -2,8 +2,9 @@
 limits.
 
 The services publish with core NATS; a stream captures the messages server-side, so recording
-adds nothing to their hot path. The collector records snapshots (``LIG_METRICS``),
-``lig kv-events`` block changes (``LIG_KVBLOCKS``): both keep such a stream, file-backed, the
+adds nothing to their hot path. The collector records snapshots (``LIG_METRICS``), decisions
+and registry changes, ``lig kv-events`` block changes (``LIG_KVBLOCKS``): each keeps such
+streams, file-backed, the
 oldest messages dropped past ``max_age`` seconds (and ``max_bytes``, when given), in
 ``replicas`` copies on a cluster (:mod:`shared.replication`). This module creates the stream,
 aligns an existing one with the flags, and retries until NATS lets it.
@@ -14,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamSource
 from nats.js.errors import APIError, NotFoundError
 
 from shared.logs import RateLimitedLog
@@ -26,14 +28,18 @@ from shared.replication import align_replicas
 log = logging.getLogger("lig.recording")
 
 
-def recording_config(name: str, subject: str, description: str, max_age_s: float,
-                     max_bytes: int | None = None, replicas: int = 1) -> StreamConfig:
+def recording_config(name: str, subject: str | None, description: str, max_age_s: float,
+                     max_bytes: int | None = None, replicas: int = 1,
+                     sources: Sequence[str] = ()) -> StreamConfig:
     """File-backed, ``replicas`` copies, oldest first out past ``max_age_s`` (or ``max_bytes``
-    when given; None leaves the size unbounded)."""
+    when given; None leaves the size unbounded). It captures ``subject``, or (``subject`` None)
+    copies the streams named in ``sources``: JetStream forbids two streams with overlapping
+    subjects, so recording another stream's messages means sourcing that stream."""
     return StreamConfig(
         name=name,
         description=description,
-        subjects=[subject],
+        subjects=[subject] if subject is not None else None,
+        sources=[StreamSource(name=source) for source in sources] or None,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
@@ -62,6 +68,7 @@ async def ensure_stream(js: JetStreamContext, wanted: StreamConfig) -> str:
     action = "unchanged"
     if _limits_differ(current, wanted):
         current.subjects = wanted.subjects
+        current.sources = wanted.sources
         current.max_age = wanted.max_age
         if wanted.max_age and (current.duplicate_window or 0) > wanted.max_age:
             # The server sets the window to min(2 min, max age) at creation and refuses a
@@ -81,8 +88,13 @@ async def ensure_stream(js: JetStreamContext, wanted: StreamConfig) -> str:
     return action
 
 
+def _sources(config: StreamConfig) -> set[str | None]:
+    return {source.name for source in config.sources or ()}
+
+
 def _limits_differ(current: StreamConfig, wanted: StreamConfig) -> bool:
     return (set(current.subjects or ()) != set(wanted.subjects or ())
+            or _sources(current) != _sources(wanted)
             or current.max_age != wanted.max_age
             or (wanted.max_bytes is not None and current.max_bytes != wanted.max_bytes))
 
@@ -110,3 +122,10 @@ async def keep_stream(js: JetStreamContext, wanted: StreamConfig, stop: asyncio.
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), retry_s)
+
+
+async def keep_streams(js: JetStreamContext, wanted: Sequence[StreamConfig], stop: asyncio.Event,
+                       retry_s: float = 1.0) -> None:
+    """:func:`keep_stream` for each of ``wanted``, in order."""
+    for config in wanted:
+        await keep_stream(js, config, stop, retry_s)

@@ -57,6 +57,25 @@ class Subjects(Struct, frozen=True):
         """JetStream stream recording snapshots for replay (``LIG_METRICS``)."""
         return f"{self.prefix.replace('.', '_').upper()}_METRICS"
 
+    @property
+    def decisions_stream(self) -> str:
+        """JetStream stream recording the pickers' decisions (``LIG_DECISIONS``)."""
+        return f"{self.prefix.replace('.', '_').upper()}_DECISIONS"
+
+    @property
+    def registry_stream(self) -> str:
+        """JetStream stream recording every registry change (``LIG_REGISTRY``), sourced from
+        the registry bucket's own stream."""
+        return f"{self.prefix.replace('.', '_').upper()}_REGISTRY"
+
+    def recorded_decisions(self) -> str:
+        """Wildcard over every pool's decisions (the decisions stream's subjects)."""
+        return f"{self.prefix}.decisions.>"
+
+    def pool_decisions(self, pool: str) -> str:
+        """Where the pickers publish the decisions they made for ``pool``."""
+        return f"{self.prefix}.decisions.{escape_token(pool)}"
+
     def metrics(self, pool: str, pod: str) -> str:
         """Where one pod's snapshots are published."""
         return f"{self.prefix}.metrics.{escape_token(pool)}.{escape_token(pod)}"

@@ -12,6 +12,7 @@ from services.collector.main import configure, settings_from
 from services.collector.membership import LiveSet
 from services.collector.ownership import owned_by, owner
 from services.collector.pod_loop import Cadence, first_seq
+from services.collector.recording import StreamBytes
 from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import snapshot_from
 from services.collector.targets import ScrapeTarget, metrics_url, pod_key, targets_from_view
@@ -219,5 +220,17 @@ def test_flag_defaults_and_validation() -> None:
         .scrape_timeout_s == 0.5
     for bad in (["--scrape-timeout", "0.06"], ["--interval", "0.001"], ["--heartbeat", "0"],
                 ["--record-max-age", "-1"]):
+        with pytest.raises(ValueError):
+            settings_from(_parse_flags(*bad))
+
+
+def test_recording_size_flags() -> None:
+    defaults = settings_from(_parse_flags())
+    assert (defaults.record_max_bytes, defaults.record_decisions_max_bytes) == \
+        (StreamBytes().metrics, StreamBytes().decisions) == (2 << 30, 1 << 30)
+    settings = settings_from(_parse_flags("--record-max-bytes", "1000",
+                                          "--record-decisions-max-bytes", "500"))
+    assert (settings.record_max_bytes, settings.record_decisions_max_bytes) == (1000, 500)
+    for bad in (["--record-max-bytes", "0"], ["--record-decisions-max-bytes", "-1"]):
         with pytest.raises(ValueError):
             settings_from(_parse_flags(*bad))

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from lig.nats_config import write_config
 from lig.server_binaries import server_binary
+from recording.fileformat import Entry, FileHeader, Kind, Writer
 from services.kvevents.recording import stream_config
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
@@ -56,8 +57,9 @@ class SecuredNats:
 
     def flags(self, service: str) -> list[str]:
         creds = self.credentials(service)
-        return ["--nats-user", creds["LIG_NATS_USER"], "--nats-password",
-                creds["LIG_NATS_PASSWORD"]]
+        # "=": a random password may start with "-", which argparse would take for a flag.
+        return ["--nats-user", creds["LIG_NATS_USER"],
+                f"--nats-password={creds['LIG_NATS_PASSWORD']}"]
 
     async def connect(self, service: str, errors: list[str] | None = None) -> Client:
         """A connection as ``service``; server errors (permission violations) go to ``errors``."""
@@ -133,10 +135,10 @@ async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: 
     return got
 
 
-async def recorded_messages(nc: Client) -> int:
-    """Messages in the recording stream (0 while it does not exist or does not answer)."""
+async def recorded_messages(nc: Client, stream: str = SUBJECTS.metrics_stream) -> int:
+    """Messages in a recording stream (0 while it does not exist or does not answer)."""
     try:
-        return (await nc.jetstream(timeout=2).stream_info(SUBJECTS.metrics_stream)).state.messages
+        return (await nc.jetstream(timeout=2).stream_info(stream)).state.messages
     except (nats.errors.Error, TimeoutError):
         return 0
 
@@ -341,13 +343,24 @@ async def test_every_service_works_with_its_own_credentials(
             picker.wait_ready(timeout=60)
             status = await secured.connect("status")
             try:
-                # The collector creates the recording stream beside its first scrapes.
+                # The collector creates the recording streams beside its first scrapes; the
+                # registry's writes reach theirs through the server-side source.
                 deadline = time.monotonic() + 15
-                while not await recorded_messages(status):
-                    assert time.monotonic() < deadline, "nothing recorded in 15 s"
-                    await asyncio.sleep(0.2)
+                for stream in (SUBJECTS.metrics_stream, SUBJECTS.registry_stream):
+                    while not await recorded_messages(status, stream):
+                        assert time.monotonic() < deadline, f"nothing in {stream} in 15 s"
+                        await asyncio.sleep(0.2)
+                await status.jetstream(timeout=2).stream_info(SUBJECTS.decisions_stream)
             finally:
                 await status.close()
+            # ``lig record`` reads every recording with the status user's credentials.
+            recorded = await asyncio.to_thread(subprocess.run, [
+                sys.executable, "-m", "lig.cli", "record", "--out", str(tmp_path / "r.ligrec"),
+                "--since", "1m", "--nats-url", secured.url, *secured.flags("status"),
+                "--log-level", "INFO"], capture_output=True, text=True, timeout=60)
+            assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+            assert "registry_change" in recorded.stdout and "snapshot" in recorded.stdout, \
+                recorded.stdout
             result = await asyncio.to_thread(status_until_fresh, [
                 "--nats-url", secured.url, *secured.flags("status"),
                 "--state-dir", str(tmp_path / "none")])
@@ -361,3 +374,34 @@ async def test_every_service_works_with_its_own_credentials(
         for process in processes:
             process.terminate()
             process.wait(10)
+
+
+async def test_lig_replay_runs_as_the_replay_user_under_its_prefix(
+        secured: SecuredNats, tmp_path: Path) -> None:
+    recording = tmp_path / "r.ligrec"
+    now = time.time_ns()
+    with recording.open("wb") as out:
+        writer = Writer(out, FileHeader(now, now, now + 10**9, SUBJECTS.prefix))
+        writer.add(Kind.REGISTRY_STATE, Entry(now, "pool.pool-a", b"opaque"))
+        writer.add(Kind.SNAPSHOT, Entry(now, "metrics.pool-a.pod-0", encode(snapshot())))
+        writer.close()
+    replay = await secured.connect("replay")
+    try:
+        heard: list[bytes] = []
+
+        async def keep(message) -> None:  # type: ignore[no-untyped-def]
+            heard.append(message.data)
+
+        await replay.subscribe(REPLAY.all_metrics(), cb=keep)
+        await replay.flush()
+        result = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "lig.cli", "replay", str(recording), "--nats-url", secured.url,
+            "--prefix", REPLAY.prefix, *secured.flags("replay"), "--log-level", "INFO"],
+            capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        # A denied publish or KV write would leave these missing (or time out: exit 1).
+        await eventually(lambda: len(heard) == 1, within=5, what="the replayed snapshot")
+        kv = await replay.jetstream().key_value(REPLAY.registry_bucket)
+        assert (await kv.get("pool.pool-a")).value == b"opaque"
+    finally:
+        await replay.close()

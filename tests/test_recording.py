@@ -27,13 +27,16 @@ async def test_a_recording_stream_is_created_then_aligned_with_its_limits(nats_s
         assert (info.config.subjects, info.config.max_age, info.config.max_bytes) == (
             [SUBJECTS.all_kv_blocks()], 30.0, 1 << 21)
 
-        # The snapshots' stream has no size flag: a size set by an operator stays.
+        # A stream wanted without a size limit keeps a size set by an operator.
         await js.add_stream(name=SUBJECTS.metrics_stream, subjects=[SUBJECTS.all_metrics()],
                             max_age=60.0, max_bytes=1 << 22)
-        assert await ensure_stream(js, snapshots_config(SUBJECTS, 60.0)) == "unchanged"
-        assert await ensure_stream(js, snapshots_config(SUBJECTS, 90.0)) == "updated"
+        unsized = recording_config(SUBJECTS.metrics_stream, SUBJECTS.all_metrics(), "snapshots",
+                                   60.0)
+        assert await ensure_stream(js, unsized) == "unchanged"
+        assert await ensure_stream(js, snapshots_config(SUBJECTS, 90.0, max_bytes=1 << 23)) \
+            == "updated"
         info = await js.stream_info(SUBJECTS.metrics_stream)
-        assert (info.config.max_age, info.config.max_bytes) == (90.0, 1 << 22)
+        assert (info.config.max_age, info.config.max_bytes) == (90.0, 1 << 23)
         # Below the duplicate window the server set at creation (min(2 min, max age)).
         assert await ensure_stream(js, snapshots_config(SUBJECTS, 10.0)) == "updated"
         info = await js.stream_info(SUBJECTS.metrics_stream)

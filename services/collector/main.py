@@ -23,7 +23,13 @@ from services.collector.observability import CollectorMetrics
 from services.collector.ownership import owned_by
 from services.collector.pod_loop import Cadence, run_pod_loop
 from services.collector.publisher import SnapshotPublisher
-from services.collector.recording import keep_stream
+from services.collector.recording import (
+    DECISIONS_MAX_BYTES,
+    METRICS_MAX_BYTES,
+    REGISTRY_MAX_BYTES,
+    StreamBytes,
+    keep_stream,
+)
 from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import Scraper
 from services.collector.targets import ScrapeTarget, targets_from_view
@@ -65,8 +71,15 @@ class CollectorSettings(msgspec.Struct, frozen=True):
         "seconds between heartbeats; a dead collector's pods move to the others within two "
         "heartbeats", flag="--heartbeat", gt=0)] = 1.0
     record_max_age_s: Annotated[float, option(
-        "seconds of snapshots the LIG_METRICS stream keeps; 0 disables recording",
+        "seconds of snapshots, decisions and registry changes the recording streams keep; 0 "
+        "disables recording",
         flag="--record-max-age", ge=0)] = 3600.0
+    record_max_bytes: Annotated[int, option(
+        "bytes of snapshots the LIG_METRICS stream keeps; the oldest go first when this or "
+        "--record-max-age is reached", gt=0)] = METRICS_MAX_BYTES
+    record_decisions_max_bytes: Annotated[int, option(
+        "bytes of picker decisions the LIG_DECISIONS stream keeps (same age limit); registry "
+        f"changes (LIG_REGISTRY) keep {REGISTRY_MAX_BYTES} bytes", gt=0)] = DECISIONS_MAX_BYTES
     host: Annotated[str, option("address the metrics endpoint listens on")] = "0.0.0.0"
     metrics_port: Annotated[int, option(
         "port of this collector's own Prometheus metrics; 0 disables", ge=0)] \
@@ -196,7 +209,9 @@ class Collector:
             self._recording.cancel()
         self._recording = asyncio.create_task(keep_stream(
             nc.jetstream(), self.subjects, self.settings.record_max_age_s, self._stop,
-            replicas=self.settings.nats.replicas))
+            replicas=self.settings.nats.replicas,
+            max_bytes=StreamBytes(self.settings.record_max_bytes,
+                                  self.settings.record_decisions_max_bytes)))
 
     def _stop_recording(self) -> None:
         if self._recording is not None:

@@ -1,0 +1,48 @@
+"""Asking a running picker's ext_proc server for a route, as Envoy's routing filter does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+DESTINATION = "x-gateway-destination-endpoint"
+BUFFERED = 1  # ProcessingMode.BodySendMode.BUFFERED
+
+
+@dataclass(frozen=True)
+class Route:
+    """The picker's answer: the destination it set, or the status of its immediate response."""
+
+    destination: str | None
+    status: int | None
+
+
+async def route(port: int, body: bytes, path: bytes = b"/v1/completions",
+                rpc_timeout_s: float = 5.0) -> Route:
+    """Send request headers then a buffered ``body`` on one ext_proc stream to
+    ``127.0.0.1:port``; the picker's routing answer."""
+    headers = pb.ProcessingRequest()
+    for key, value in ((":method", b"POST"), (":path", path)):
+        headers.request_headers.headers.headers.add(key=key, raw_value=value)
+    headers.protocol_config.request_body_mode = BUFFERED
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process(
+            timeout=rpc_timeout_s)
+        await call.write(headers)
+        answer = await call.read()
+        if answer.HasField("immediate_response"):
+            await call.done_writing()
+            return Route(None, answer.immediate_response.status.code)
+        await call.write(pb.ProcessingRequest(
+            request_body=pb.HttpBody(body=body, end_of_stream=True)))
+        answer = await call.read()
+        await call.done_writing()
+    if answer.HasField("immediate_response"):
+        return Route(None, answer.immediate_response.status.code)
+    mutation = answer.request_body.response.header_mutation
+    found = {o.header.key: o.header.raw_value for o in mutation.set_headers}
+    destination: bytes | None = found.get(DESTINATION)
+    return Route(destination.decode() if destination is not None else None, None)

@@ -1,0 +1,119 @@
+"""The recorder with the real stack: record a running ``lig up`` under traffic, export it with
+``lig record``, replay it with ``lig replay`` into a fresh nats-server where only a picker runs
+(no simulators, no collector, no registry): the picker becomes ready and routes on the replayed
+metrics, and ``lig status`` sees the recorded pods as fresh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from recording.fileformat import Kind, read_entries, read_header
+from shared.schemas import EndpointSet, decode
+from shared.subjects import endpoints_key
+from tests.support.ext_proc_client import route
+from tests.support.lig_up import lig_up
+from tests.support.nats_server import NatsServer
+from tests.support.picker import PickerProcess
+from tests.support.processes import die_with_parent
+
+pytestmark = pytest.mark.timeout(240)
+
+BASE = "meta-llama/Llama-3.1-8B-Instruct"
+REQUESTS = 24
+RECORD_S = 25  # the window exported: long enough that the replay outlasts a picker's start
+
+
+def lig(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``lig ARGS`` to completion."""
+    return subprocess.run([sys.executable, "-m", "lig.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_replay(path: Path, nats_url: str, *args: str) -> subprocess.Popen[str]:
+    """``lig replay PATH --nats-url NATS_URL ARGS`` in the background, output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "lig.cli", "replay", str(path), "--nats-url", nats_url, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
+
+
+def metric(page: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples with ``labels`` on a Prometheus page."""
+    return sum(sample.value for family in text_string_to_metric_families(page)
+               for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v
+                                              for k, v in labels.items()))
+
+
+def recorded_addresses(path: Path, pool: str) -> tuple[set[str], int]:
+    """Every address the recording's registry gives ``pool``'s pods, and its snapshot count."""
+    addresses: set[str] = set()
+    snapshots = 0
+    with path.open("rb") as source:
+        read_header(source)
+        for kind, entry in read_entries(source):
+            if kind == Kind.SNAPSHOT:
+                snapshots += 1
+            elif entry.name == endpoints_key(pool) and entry.data is not None:
+                endpoints = decode(entry.data, EndpointSet).endpoints
+                addresses |= {f"{e.address}:{e.port}" for e in endpoints}
+    return addresses, snapshots
+
+
+async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
+        tmp_path: Path, nats_server: NatsServer,
+        picker_process: Callable[..., PickerProcess]) -> None:
+    out = tmp_path / "fleet.ligrec"
+    with lig_up(tmp_path / "state", "--pods", "2", "--pickers", "1") as stack:
+        info = stack.info
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=30) as client:
+            for i in range(REQUESTS):
+                response = await client.post(f"{stack.gateway}/v1/completions", json={
+                    "model": BASE, "prompt": f"request {i}", "max_tokens": 4})
+                assert response.status_code == 200, response.text
+        # Keep the stack (and its recording) running until the window is covered.
+        await asyncio.sleep(max(0.0, RECORD_S - (time.monotonic() - started)))
+        exported = await asyncio.to_thread(
+            lig, "record", "--out", str(out), "--since", f"{RECORD_S}s",
+            "--nats-url", info.nats_url, "--prefix", info.prefix)
+        assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert "snapshot" in exported.stdout, exported.stdout
+    addresses, snapshots = recorded_addresses(out, info.pool)
+    assert len(addresses) == 2 and snapshots > 20, (addresses, snapshots)
+
+    # The stack is gone: from here on the only source of registry and metrics is the file.
+    picker = picker_process(info.pool, nats_server.url, stale_after=1.0)
+    replay = start_replay(out, nats_server.url, "--prefix", info.prefix)
+    try:
+        await asyncio.to_thread(picker.wait_ready, 60)
+        before = picker.metrics()
+        picks = [await route(picker.grpc_port, json.dumps({"model": BASE, "prompt": "x"}).encode())
+                 for _ in range(10)]
+        after = picker.metrics()
+        assert replay.poll() is None, "the replay ended before the picker was asked"
+        status = await asyncio.to_thread(
+            lig, "status", "--nats-url", nats_server.url, "--prefix", info.prefix,
+            "--state-dir", str(tmp_path / "no-stack"))
+    finally:
+        replay.send_signal(signal.SIGTERM)
+        output, _ = replay.communicate(timeout=10)
+    assert {pick.destination for pick in picks} <= addresses, picks
+    assert all(pick.status is None for pick in picks), picks
+    # Routed on fresh replayed snapshots, not the uniform fallback for stale pods.
+    assert metric(after, "lig_picker_all_stale_decisions_total") == \
+        metric(before, "lig_picker_all_stale_decisions_total")
+    assert metric(after, "lig_picker_snapshots_received_total") > 0
+    assert "2 pods, 2 fresh" in status.stdout, status.stdout + status.stderr
+    assert replay.returncode == 0, output
+    assert "lig replay: stopped" in output, output
