@@ -12,7 +12,7 @@ class KVEventsMetrics:
         self.prometheus = CollectorRegistry()
         r = self.prometheus
         self.batches = Counter("lig_kv_events_batches", "Event batches by outcome: apply, "
-                               "duplicate, gap, reset (seen on PUB), replayed, resync, malformed, "
+                               "duplicate, gap, reset (engine restart), replayed, resync, malformed, "
                                "replay_malformed", ["outcome"], registry=r)
         self.skipped = Counter("lig_kv_events_skipped", "Malformed messages or events skipped, "
                                "by reason", ["reason"], registry=r)
