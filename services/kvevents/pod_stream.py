@@ -4,7 +4,9 @@ Each pod has its own SUB socket and replay DEALER socket, in its own task, so a 
 stalls or sends garbage costs only its own stream. On start (and after an engine restart) the
 stream asks the replay socket for everything from sequence 0, so what the pod cached before we
 subscribed is known too; when the replay cannot cover what was lost, it publishes a resync
-marker (all cleared, state unknown) and carries on from what it has.
+marker (all cleared, state unknown) and carries on from what it has. Replays start at the last
+batch applied, which tells the same engine from a restarted one, and every reconnection of the
+SUB socket runs one: a restarted engine whose first batches were lost is still seen.
 """
 
 from __future__ import annotations
