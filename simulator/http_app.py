@@ -139,6 +139,7 @@ class SimulatedPod:
             ("GET", "/metrics"): self._metrics,
             ("GET", "/admin/faults"): self._get_faults,
             ("POST", "/admin/faults"): self._set_faults,
+            ("GET", "/admin/kv-events"): self._get_kv_event_fault,
             ("POST", "/admin/kv-events"): self._set_kv_event_fault,
         }
         self.kv_events: EventPublisher | None = None
@@ -336,6 +337,13 @@ class SimulatedPod:
             if not request.finished:
                 self.runner.abort(request)
 
+    async def _get_kv_event_fault(self, request: HttpRequest) -> Response:
+        """Batches still to drop and the last sequence published, changing nothing."""
+        if self.kv_events is None:
+            return Response(409, b'{"detail":"KV-cache events are off"}')
+        return Response(200, msgspec.json.encode({"drop": self.kv_events.drop_next,
+                                                  "seq": self.kv_events.seq}))
+
     async def _set_kv_event_fault(self, request: HttpRequest) -> Response:
         if self.kv_events is None:
             return Response(409, b'{"detail":"KV-cache events are off"}')
@@ -344,8 +352,7 @@ class SimulatedPod:
         except msgspec.DecodeError as error:
             return Response(400, msgspec.json.encode({"detail": str(error)}))
         self.kv_events.drop_next = max(0, fault.drop)
-        return Response(200, msgspec.json.encode({"drop": self.kv_events.drop_next,
-                                                  "seq": self.kv_events.seq}))
+        return await self._get_kv_event_fault(request)
 
     def _record_step(self, result: StepResult) -> None:
         events = self.engine.kv.events

@@ -105,6 +105,12 @@ class EventPods(SimulatedPods):
             assert time.monotonic() < deadline, self.output()
             time.sleep(0.05)
 
+    def kv_event_state(self, index: int) -> dict[str, Any]:
+        """``{"drop": batches still to drop, "seq": last sequence published}`` of pod ``index``."""
+        response = httpx.get(self.url(index) + "/admin/kv-events", timeout=5.0)
+        response.raise_for_status()
+        return response.json()
+
     def drop_next(self, index: int, count: int) -> dict[str, Any]:
         response = httpx.post(self.url(index) + "/admin/kv-events", json={"drop": count},
                               timeout=5.0)
@@ -302,6 +308,55 @@ async def test_a_restarted_engine_clears_the_pod_and_its_new_stream_is_followed(
                 stored = [op for c in after[first_new:] for op in c.ops
                           if isinstance(op, BlockStored)]
                 assert list(tokenizer.encode("after the restart " * 20))[:16] == list(
+                    stored[0].token_ids[:16])
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="reset"}') == 1
+
+
+@pytest.mark.parametrize("beyond", [0, 2])
+async def test_a_restarted_engine_whose_first_batches_are_lost_is_still_seen_restarting(
+    nc: Client, nats_server: Any, beyond: int
+) -> None:
+    """The old engine sent batches 0..n-1. The restarted engine's first batches never reach
+    the PUB socket (as when they are sent before the subscriber has reconnected), so its first
+    batch heard carries exactly the sequence expected from the old engine, n (``beyond`` 0), or
+    a later one (2: it looks like a gap). Neither may pass for the old stream going on: the
+    pod is cleared and the new stream followed from 0."""
+    with EventPods(1, "map") as pods:
+        await register(nc, [("pod-0", pods.ports[0])])
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+                await asyncio.sleep(1.0)
+                old = 0
+                while old < 3:  # a request makes one or two batches
+                    await asyncio.to_thread(pods.complete, 0, f"old engine {old} " * 20)
+                    old = pods.kv_event_state(0)["seq"] + 1
+                await eventually(lambda: changes.seqs("pod-0") == list(range(old)), within=15,
+                                 what=f"the old engine's changes\n{output(log)}")
+                lost = old + beyond
+                before = len(changes.of("pod-0"))
+                await asyncio.to_thread(pods.restart)
+                pods.drop_next(0, lost)
+                deadline = time.monotonic() + 30
+                index = 0
+                while pods.kv_event_state(0)["seq"] < lost:  # bounded: 30 s
+                    assert time.monotonic() < deadline, pods.output()
+                    await asyncio.to_thread(pods.complete, 0, f"new engine {index} " * 20)
+                    index += 1
+                newest = pods.kv_event_state(0)["seq"]
+
+                def new_stream() -> list[int]:
+                    return [c.source_seq for c in changes.of("pod-0")[before:]
+                            if c.source_seq >= 0]
+
+                await eventually(lambda: new_stream() == list(range(newest + 1)), within=20,
+                                 what=f"the new engine's whole stream, got {new_stream()}"
+                                      f"\n{output(log)}")
+                after = changes.of("pod-0")[before:]
+                assert after[0].ops == [AllBlocksCleared()] and after[0].source_seq == -1
+                assert not any(c.resync for c in after)
+                stored = [op for c in after for op in c.ops if isinstance(op, BlockStored)]
+                assert list(tokenizer.encode("new engine 0 " * 20))[:16] == list(
                     stored[0].token_ids[:16])
                 assert counter(metrics_port, "lig_kv_events_batches_total",
                                '{outcome="reset"}') == 1

@@ -117,3 +117,21 @@ def test_sequence_tracker_verdicts() -> None:
     tracker.applied(0, 1.0)
     tracker.skip_to(9)
     assert tracker.classify(9, 2.0) is Verdict.APPLY
+
+
+def test_sequence_tracker_tells_the_same_engine_from_a_restarted_one() -> None:
+    """A replay asked from the last batch applied starts with that very batch (same sequence,
+    same publish time) only when the engine that sent it is still there."""
+    tracker = SequenceTracker()
+    assert tracker.same_engine(None) is True  # nothing applied yet: nothing to contradict
+    for seq in range(3):
+        tracker.applied(seq, 10.0 + seq)
+    assert tracker.last == (2, 12.0)
+    assert tracker.same_engine((2, 12.0)) is True
+    assert tracker.same_engine((2, 99.0)) is False  # another engine's batch 2
+    assert tracker.same_engine(None) is False  # the engine has not reached batch 2 again
+    assert tracker.same_engine((5, 15.0)) is None  # its buffer no longer holds batch 2
+    tracker.applied(3)  # a malformed batch counts, but proves nothing about the engine
+    assert tracker.last == (2, 12.0) and tracker.expected == 4
+    tracker.restart()
+    assert tracker.last is None and tracker.same_engine(None) is True

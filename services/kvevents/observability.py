@@ -12,8 +12,8 @@ class KVEventsMetrics:
         self.prometheus = CollectorRegistry()
         r = self.prometheus
         self.batches = Counter("lig_kv_events_batches", "Event batches by outcome: apply, "
-                               "duplicate, gap, reset (seen on PUB), replayed, resync, malformed, "
-                               "replay_malformed", ["outcome"], registry=r)
+                               "duplicate, gap, reset (engine restart), replayed, resync, "
+                               "malformed, replay_malformed", ["outcome"], registry=r)
         self.skipped = Counter("lig_kv_events_skipped", "Malformed messages or events skipped, "
                                "by reason", ["reason"], registry=r)
         self.published = Counter("lig_kv_events_published", "Block-change messages published "

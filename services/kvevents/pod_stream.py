@@ -4,7 +4,9 @@ Each pod has its own SUB socket and replay DEALER socket, in its own task, so a 
 stalls or sends garbage costs only its own stream. On start (and after an engine restart) the
 stream asks the replay socket for everything from sequence 0, so what the pod cached before we
 subscribed is known too; when the replay cannot cover what was lost, it publishes a resync
-marker (all cleared, state unknown) and carries on from what it has.
+marker (all cleared, state unknown) and carries on from what it has. Replays start at the last
+batch applied, which tells the same engine from a restarted one, and every reconnection of the
+SUB socket runs one: a restarted engine whose first batches were lost is still seen.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from services.kvevents.sequencing import SequenceTracker, Verdict
 from shared.kv_blocks import KVBlockChanges
@@ -68,6 +71,8 @@ class PodStream:
         self._publish = publish
         self._dealer: zmq.asyncio.Socket | None = None
         self._on_count = on_count
+        self._connections = 0
+        """SUB connections made so far (every one after the first is a reconnection)."""
         self._adopt_next = False
         """After a resync with nothing to continue from: the next batch starts the stream (no
         replay can bring what came before it)."""
@@ -81,11 +86,24 @@ class PodStream:
         sub = self._ctx.socket(zmq.SUB)
         sub.linger = 0
         sub.subscribe(b"")
+        # Connection events show a restarted engine even when its first batches are lost
+        # before the SUB connection is back (or it publishes nothing for a while).
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sub.connect(self.pod.events)
         try:
             await self._recover(None)
             while True:
-                frames = await sub.recv_multipart()
+                await poller.poll()
+                # Connection events first: a reconnection is reported before any batch of
+                # the new connection can be read, so it is checked before such a batch counts.
+                await self._watch_connection(monitor)
+                try:
+                    frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
                 batch = self._decoder.decode_message(frames)
                 if batch is None:
                     self._count("malformed")
@@ -93,8 +111,29 @@ class PodStream:
                     continue
                 await self._handle(batch)
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             self._close_dealer()
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """Handle the SUB socket's pending connection events: a connection after the first
+        may be a restarted engine, which a replay from the last batch applied tells."""
+        while True:
+            try:
+                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                log.info("%s/%s rank %d: events connection lost", self.pod.pool,
+                         self.pod.pod, self.pod.dp_rank)
+            elif event == zmq.EVENT_CONNECTED:
+                self._connections += 1
+                if self._connections > 1:
+                    log.info("%s/%s rank %d: events connection back: checking the engine",
+                             self.pod.pool, self.pod.pod, self.pod.dp_rank)
+                    await self._recover(None)
 
     def _skip_malformed(self, frames: list[bytes]) -> None:
         """A batch whose payload does not decode is lost, but its sequence number counts: a
@@ -117,14 +156,7 @@ class PodStream:
                      self.pod.pod, self.pod.dp_rank, self.tracker.expected, batch.seq - 1)
             await self._recover(batch)
         elif verdict is Verdict.RESET:
-            log.info("%s/%s: sequence restarted at %d (engine restart)", self.pod.pool,
-                     self.pod.pod, batch.seq)
-            await self._marker(resync=False)
-            self.tracker.restart()
-            if batch.seq == 0:
-                await self._apply(batch)
-            else:
-                await self._recover(batch)
+            await self._restarted(batch)
 
     async def _apply(self, batch: EventBatch) -> None:
         self.tracker.applied(batch.seq, batch.ts)
@@ -142,13 +174,25 @@ class PodStream:
             resync=resync))
 
     async def _recover(self, current: EventBatch | None) -> None:
-        """Replay from the expected sequence; then apply ``current`` (the batch that showed the
-        gap) if the replay did not cover it. Lost batches that cannot be replayed publish a
-        resync marker."""
+        """Replay from the last batch applied; then apply ``current`` (the batch that showed
+        the gap) if the replay did not cover it. A replay that shows another engine than the
+        one that sent the last batch applied starts it over (clear marker, replay from 0); lost
+        batches that cannot be replayed publish a resync marker."""
         tracker = self.tracker
         start = tracker.expected
+        # From the last batch applied, not the next one: that batch proves the same engine.
+        ask = start if tracker.last is None else tracker.last[0]
         tracker.replaying()
-        batches = await self._replay(start)
+        batches = await self._replay(ask)
+        if batches is not None:
+            first = (batches[0].seq, batches[0].ts) if batches else None
+            same = tracker.same_engine(first)
+            if same is False:
+                self._count("reset")
+                await self._restarted(current)
+                return
+            # same is None: its buffer no longer reaches our last batch, so we cannot tell.
+            batches = None if same is None else [b for b in batches if b.seq >= start]
         if batches is None or (batches and batches[0].seq != start) \
                 or (not batches and current is not None):
             self._count("resync")
@@ -170,6 +214,18 @@ class PodStream:
                 await self._apply(batch)
         if current is not None and current.seq == tracker.expected:
             await self._apply(current)
+
+    async def _restarted(self, current: EventBatch | None) -> None:
+        """The engine restarted (its sequence counts from 0 again): clear the rank's blocks
+        and follow the new stream from its start."""
+        log.info("%s/%s rank %d: engine restarted: following its new stream from 0",
+                 self.pod.pool, self.pod.pod, self.pod.dp_rank)
+        await self._marker(resync=False)
+        self.tracker.restart()
+        if current is not None and current.seq == 0:
+            await self._apply(current)  # the whole new stream is here: nothing to replay
+        else:
+            await self._recover(current)
 
     async def _replay(self, start: int) -> list[EventBatch] | None:
         """The pod's buffered batches from ``start`` on, in order; None if it has no replay

@@ -4,7 +4,9 @@ vLLM numbers batches 0, 1, 2, ... per engine process. A batch is applied when it
 one; a later one means batches were lost (replay them); an earlier one is either a duplicate
 (the replay already delivered it: it is no newer than the newest batch applied) or a restarted
 engine counting from 0 again (below anything a replay could have re-sent, or newer than every
-batch applied).
+batch applied). A later one can also come from a restarted engine whose first batches were
+lost (its SUB connection was not back yet): a replay asked from the last batch applied tells,
+since only the engine that sent that batch replays it with the same publish time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class SequenceTracker:
         self.expected = 0
         self.newest_ts = float("-inf")
         """The publish time of the newest batch applied."""
+        self.last: tuple[int, float] | None = None
+        """Sequence and publish time of the last batch applied: the engine still serving it
+        replays exactly this batch, a restarted one has another (or none) at that sequence."""
         self._floor = 0
         """The first sequence of the last replay: batches from there to ``expected`` may come
         again on the PUB socket (it kept delivering while the replay ran)."""
@@ -48,8 +53,9 @@ class SequenceTracker:
         """Batch ``seq`` (published at ``ts``, if known) was applied or given up on: the next
         one is expected."""
         self.expected = seq + 1
-        if ts is not None and ts > self.newest_ts:
-            self.newest_ts = ts
+        if ts is not None:
+            self.last = (seq, ts)
+            self.newest_ts = max(self.newest_ts, ts)
 
     def replaying(self) -> None:
         """A replay from ``expected`` starts: what it re-sends may arrive again."""
@@ -65,3 +71,17 @@ class SequenceTracker:
         self.expected = 0
         self._floor = 0
         self.newest_ts = float("-inf")
+        self.last = None
+
+    def same_engine(self, first: tuple[int, float] | None) -> bool | None:
+        """Whether a replay asked from ``last`` comes from the engine that sent ``last``, given
+        its first batch (seq, ts), None if it was empty: True when that batch is ``last``
+        itself, False when the engine has another batch there or none that far (it counts from
+        0 again), None when its buffer no longer reaches back to ``last`` (cannot tell)."""
+        if self.last is None:
+            return True
+        if first is None:
+            return False
+        if first[0] == self.last[0]:
+            return first[1] == self.last[1]
+        return None if first[0] > self.last[0] else False
