@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import random
+import secrets
 import socket
 import sys
 from wsgiref.simple_server import WSGIServer
@@ -23,12 +24,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry, start_http_server
 
+from services.picker.decision_stream import (
+    DEFAULT_DELAY,
+    DecisionPublisher,
+    DecisionSink,
+    subscribe_decisions,
+)
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.gray_pods import GrayPods
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
-from services.picker.observability import PickerMetrics
+from services.picker.observability import LoadEstimateCollector, PickerMetrics
+from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
 from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import Router
 from services.picker.state import PodTable
@@ -130,6 +138,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(the shipped Envoy bootstrap) can route")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for the random choices (reproducible runs)")
+    # The decision stream (issue 11, docs/decision-stream.md).
+    parser.add_argument("--shared-decisions", action=argparse.BooleanOptionalAction,
+                        default=env("LIG_SHARED_DECISIONS", "1").lower() not in
+                        ("0", "false", "no", "off"),
+                        help="share routing decisions with the other picker replicas over NATS "
+                        "(<prefix>.decisions.<pool>): each counts its peers' requests in its "
+                        "load estimate as its own, so that N replicas decide like one. "
+                        "--no-shared-decisions (env LIG_SHARED_DECISIONS=0) counts only this "
+                        "picker's requests, for comparison")
+    parser.add_argument("--decision-batch-delay", type=float,
+                        default=float(env("LIG_DECISION_BATCH_DELAY", str(DEFAULT_DELAY))),
+                        metavar="SECONDS",
+                        help="how long a decision waits for others to share one NATS message "
+                        "(default %(default)s s; env LIG_DECISION_BATCH_DELAY)")
+    parser.add_argument("--decision-request-ttl", type=float, default=DEFAULT_REQUEST_TTL,
+                        metavar="SECONDS",
+                        help="seconds after which a peer's request still counted in flight "
+                        "without a finished event is dropped from the counts (a peer that goes "
+                        "silent is dropped after 4 of its 0.5 s heartbeats regardless)")
     add_tls_arguments(parser)
     add_nats_arguments(parser)
     add_logging_arguments(parser)
@@ -157,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--stale-after must be positive")
     if args.gray_after < 0 or args.outcome_sample < 0:
         raise SystemExit("--gray-after and --outcome-sample must not be negative")
+    if args.decision_batch_delay < 0 or args.decision_request_ttl <= 0:
+        raise SystemExit("--decision-batch-delay must not be negative and "
+                         "--decision-request-ttl must be positive")
     setup_logging("picker", args.log_level)
     if args.workers > 1:
         from services.picker.workers import supervise
@@ -172,8 +202,10 @@ def served_pools(flags: list[str] | None, env_value: str) -> list[str]:
     return list(dict.fromkeys(name.strip() for name in names if name.strip()))
 
 
-def build_gateway(args: argparse.Namespace, metrics: PickerMetrics) -> Gateway:
-    """The gateway over the served pools, each pool with its own router and pod table."""
+def build_gateway(args: argparse.Namespace, metrics: PickerMetrics,
+                  decisions: DecisionPublisher | None = None) -> Gateway:
+    """The gateway over the served pools, each pool with its own router and pod table;
+    ``decisions`` publishes its decisions (None: not shared)."""
     rng = random.Random(args.seed)
 
     def make_router(pool: str) -> Router:
@@ -185,8 +217,24 @@ def build_gateway(args: argparse.Namespace, metrics: PickerMetrics) -> Gateway:
                       fallbacks=args.fallbacks)
 
     unknown = UnknownModels(reject=args.reject_unknown_models, default_pool=args.default_pool)
-    return Gateway(args.pools, make_router, unknown, rng,
-                   on_conflicts=metrics.model_conflicts.set)
+    gateway = Gateway(args.pools, make_router, unknown, rng,
+                      on_conflicts=metrics.model_conflicts.set, on_decision=decisions,
+                      picker_id=decisions.picker_id if decisions is not None else "")
+    gateway.peers.request_ttl = args.decision_request_ttl
+    return gateway
+
+
+def decision_publisher(args: argparse.Namespace, subjects: Subjects,
+                       metrics: PickerMetrics) -> DecisionPublisher | None:
+    """The decision stream's publisher under a fresh picker id (None with
+    ``--no-shared-decisions``): a restarted picker is a new peer, its old counts expire."""
+    if not args.shared_decisions:
+        return None
+    picker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    dropped = metrics.decisions_dropped
+    return DecisionPublisher(picker_id, subjects, delay=args.decision_batch_delay,
+                             on_published=metrics.decisions_published.inc,
+                             on_dropped=lambda reason, count: dropped.labels(reason).inc(count))
 
 
 def grpc_server(reuse_port: bool) -> grpc.aio.Server:
@@ -311,7 +359,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     # the default 5 ms GIL switch interval that hand-off waits behind any busy Python code.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     metrics = PickerMetrics(registry)
-    gateway = build_gateway(args, metrics)
+    settings = settings_from_args(args)
+    subjects = Subjects(settings.prefix)
+    decisions = decision_publisher(args, subjects, metrics)
+    gateway = build_gateway(args, metrics, decisions)
+    registry.register(LoadEstimateCollector(lambda: {
+        pool: router.pods for pool, router in gateway.routers.items()}))
     processor = Processor(gateway, metrics, args.destination_header)
 
     tls: TlsFiles | None = args.tls
@@ -337,20 +390,19 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     # collector's scans, which otherwise run every few hundred requests.
     gc.freeze()
 
-    settings = settings_from_args(args)
-    subjects = Subjects(settings.prefix)
     view = RegistryView()
-    nats = _NatsLink(settings, subjects, view, gateway, metrics)
+    nats = _NatsLink(settings, subjects, view, gateway, metrics, decisions)
     tasks = [asyncio.create_task(nats.run(stop)),
              asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics))]
     log.info("picker for %s: ext_proc (%s server, %s) on %s:%d, health on %s:%d, metrics "
-             "on %s, NATS %s, load estimate %s",
+             "on %s, NATS %s, load estimate %s, shared decisions %s",
              "pools " + ", ".join(args.pools) if args.pools else "every pool", args.server,
              "plaintext" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
              args.host, ext_proc.port,
              args.host, health_port,
              f"{args.host}:{metrics_port}" if metrics_port else "(off)", settings.url,
-             "on" if args.load_estimate else "off")
+             "on" if args.load_estimate else "off",
+             f"on (picker id {decisions.picker_id})" if decisions is not None else "off")
     log.info("pools served: %s; unknown models: %s",
              ", ".join(args.pools) or "every pool of the registry",
              "rejected (404)" if args.reject_unknown_models else
@@ -394,7 +446,8 @@ class _NatsLink:
     """The NATS side: connect (forever), watch the registry, subscribe to snapshots."""
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
-                 gateway: Gateway, metrics: PickerMetrics) -> None:
+                 gateway: Gateway, metrics: PickerMetrics,
+                 decisions: DecisionPublisher | None = None) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -408,6 +461,9 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
+        self.decisions = decisions
+        self.decision_sink = DecisionSink(
+            gateway.apply_peer, on_undecodable=metrics.undecodable.labels("decisions").inc)
 
     @property
     def connected(self) -> bool:
@@ -434,15 +490,25 @@ class _NatsLink:
                 self.client.jetstream(), self._subjects.registry_bucket, self._view,
                 on_changes=lambda changes: self._gateway.update(self._view, changes),
                 on_undecodable=lambda key, exc: undecodable.inc())
-            await subscribe(self.client, self._subjects, self.sink,
-                            [] if self._gateway.all_pools else list(self._gateway.routers))
-            await self.watcher.run(stop)
+            pools = [] if self._gateway.all_pools else list(self._gateway.routers)
+            await subscribe(self.client, self._subjects, self.sink, pools)
+            publishing = None
+            if self.decisions is not None:
+                await subscribe_decisions(self.client, self._subjects, self.decision_sink,
+                                          pools)
+                publishing = asyncio.create_task(self.decisions.run(self.client))
+            try:
+                await self.watcher.run(stop)
+            finally:
+                if publishing is not None:
+                    await cancel_and_wait(publishing)
         finally:
             await finish_within(self.client.close(), 0.5)
 
 
 async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
                         health: PickerHealth, metrics: PickerMetrics) -> None:
+    reported = {"applied": 0, "expired": 0}
     while not stop.is_set():
         if not health.ready and nats.synced and gateway.has_member_snapshot():
             await health.set_ready()
@@ -450,5 +516,21 @@ async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
             log.info("picker ready: registry synced and metric snapshots arriving")
         metrics.nats_connected.set(1 if nats.connected else 0)
         metrics.show_pods(gateway.freshness(), gateway.in_flight())
+        _sync_peer_metrics(gateway, metrics, reported)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), HOUSEKEEPING_INTERVAL)
+
+
+def _sync_peer_metrics(gateway: Gateway, metrics: PickerMetrics,
+                       reported: dict[str, int]) -> None:
+    """Expire what silent peers contributed, and add to the decision-stream counters what
+    :class:`~services.picker.peer_decisions.PeerDecisions` counted since ``reported`` (its
+    hot path touches no Prometheus object)."""
+    peers = gateway.peers
+    peers.expire()
+    for name, counter, total in (("applied", metrics.decisions_applied, peers.applied),
+                                 ("expired", metrics.decisions_expired, peers.expired)):
+        if total > reported[name]:
+            counter.inc(total - reported[name])
+            reported[name] = total
+    metrics.decision_peers.set(peers.peers())

@@ -7,6 +7,7 @@ Pure logic (no network): :class:`Router` turns a request body into either a :cla
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,15 @@ from scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
 from shared.registry_view import RegistryChanges, RegistryView
-from shared.schemas import Criticality, Endpoint, InferenceModel, InferencePool, PolicyConfig
+from shared.schemas import (
+    Criticality,
+    DecisionEvent,
+    Endpoint,
+    InferenceModel,
+    InferencePool,
+    PolicyConfig,
+    ShedEvent,
+)
 
 log = logging.getLogger("lig.picker.routing")
 
@@ -42,7 +51,8 @@ _BOM = b"\xef\xbb\xbf"  # RFC 8259 lets a parser ignore it; Python's json (vLLM'
 
 class Routed(msgspec.Struct, frozen=True):
     """Send the request to ``endpoint`` (``ip:port``), with ``body`` replacing it when not None;
-    ``fallbacks`` are the next endpoints to try, in policy order (endpoint picker protocol)."""
+    ``fallbacks`` are the next endpoints to try, in policy order (endpoint picker protocol);
+    ``request_id`` numbers the router's decisions (the decision stream's event id)."""
 
     pod: str
     endpoint: str
@@ -52,6 +62,8 @@ class Routed(msgspec.Struct, frozen=True):
     body: bytes | None = None
     fallbacks: tuple[str, ...] = ()
     pool: str = ""  # the pool whose pod was chosen
+    criticality: Criticality = Criticality.STANDARD
+    request_id: int = 0
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -131,8 +143,16 @@ class ModelRoute(msgspec.Struct, frozen=True):
         return self.targets[bisect.bisect_right(self.cumulative, point)]
 
 
+DecisionCallback = Callable[[str, DecisionEvent], None]
+"""Receives each decision a picker makes (pool, event): the decision stream's publisher."""
+
+
 class Router:
-    """Routes the requests of one pool, from the registry state and the pod table."""
+    """Routes the requests of one pool, from the registry state and the pod table.
+
+    ``on_decision`` hears of every request this router sheds (routed and finished requests are
+    reported by the :class:`~services.picker.pools.Gateway`, which sees them start and end).
+    """
 
     def __init__(self, pool: str, pods: PodTable, rng: random.Random,
                  on_all_stale: Callable[[], None] = lambda: None, fallbacks: int = 0) -> None:
@@ -147,6 +167,8 @@ class Router:
         self._on_all_stale = on_all_stale
         self._all_stale_log = RateLimitedLog(log)
         self._quoted_pool = msgspec.json.encode(pool).decode()
+        self.on_decision: DecisionCallback | None = None
+        self._next_id = itertools.count(1).__next__
 
     @property
     def policy(self) -> Policy:
@@ -253,7 +275,7 @@ class Router:
                 return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
                                 target, registered, pool)
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
-                      fallbacks, pool)
+                      fallbacks, pool, criticality, self._next_id())
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Rejected:
         """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod (of the
@@ -261,12 +283,14 @@ class Router:
         fresh = _in_subset(self.pods.fresh_views(), subset)
         if fresh:
             pick = fresh[self._rng.randrange(len(fresh))]
-            return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name)
+            return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name,
+                          request_id=self._next_id())
         endpoints = self._members_in(subset)
         if not endpoints:
             return self._no_endpoint() if subset is None else self._none_in_subset()
         endpoint = endpoints[self._rng.randrange(len(endpoints))]
-        return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name)
+        return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name,
+                      request_id=self._next_id())
 
     def _choose(self, request: SchedulingRequest, subset: frozenset[str] | None
                 ) -> tuple[PodView, tuple[str, ...]] | Rejected:
@@ -281,6 +305,9 @@ class Router:
         if decision.pick is not None:
             return decision.pick, self._fallbacks(request, pods, decision)
         if decision.shed:
+            if self.on_decision is not None:
+                self.on_decision(self.pool_name, ShedEvent(
+                    self._next_id(), request.target_model, request.criticality))
             return reject(429, f"pool {self._quoted_pool} is saturated; sheddable request "
                           "dropped", "pool_saturated")
         return reject(503, f"no pod of pool {self._quoted_pool} can take the request",
