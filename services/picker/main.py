@@ -35,7 +35,7 @@ from services.picker.gray_pods import GrayPods
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
-from services.picker.observability import LoadEstimateCollector, PickerMetrics
+from services.picker.observability import PickerMetrics
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
 from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import Router
@@ -363,8 +363,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, registry: Collect
     subjects = Subjects(settings.prefix)
     decisions = decision_publisher(args, subjects, metrics)
     gateway = build_gateway(args, metrics, decisions)
-    registry.register(LoadEstimateCollector(lambda: {
-        pool: router.pods for pool, router in gateway.routers.items()}))
+    metrics.load_estimate.tables = lambda: {
+        pool: router.pods for pool, router in gateway.routers.items()}
     processor = Processor(gateway, metrics, args.destination_header)
 
     tls: TlsFiles | None = args.tls

@@ -104,6 +104,8 @@ class PickerMetrics:
         self.decision_peers = Gauge(
             "lig_picker_decision_peers", "Peer pickers heard from on the decision stream "
             "within their heartbeat allowance", registry=registry, multiprocess_mode="livemax")
+        self.load_estimate = LoadEstimateCollector()
+        registry.register(self.load_estimate)
         self._request_children: dict[tuple[str, str, str, str], Counter] = {}
         self._token_children: dict[str, tuple[Counter, Counter]] = {}
         self._pods_seen: set[str] = set()
@@ -160,10 +162,11 @@ class LoadEstimateCollector(Collector):
     scraped (so it is current to the millisecond, unlike the housekeeping gauges): per pod, the
     requests in flight from this picker (``in_flight_own``) and from its peers
     (``in_flight_peers``), and those routed since the pod's newest snapshot by any of them
-    (``unreported``). Served by a single-process picker (``--workers 1``)."""
+    (``unreported``). ``tables`` gives the pod table of each served pool (set once the gateway
+    exists). Served by a single-process picker (``--workers 1``)."""
 
-    def __init__(self, tables: Callable[[], dict[str, PodTable]]) -> None:
-        self._tables = tables
+    def __init__(self) -> None:
+        self.tables: Callable[[], dict[str, PodTable]] = dict
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per pool, pod and kind with a count (zeros are left out)."""
@@ -171,7 +174,7 @@ class LoadEstimateCollector(Collector):
             "lig_picker_load_estimate_requests", "The picker's load estimate per pod: "
             "requests in flight (own, peers') and routed since the pod's newest snapshot "
             "(unreported)", labels=["pool", "pod", "kind"])
-        for pool, table in list(self._tables().items()):
+        for pool, table in list(self.tables().items()):
             for kind, counts in (("in_flight_own", table.in_flight()),
                                  ("in_flight_peers", table.peer_in_flight()),
                                  ("unreported", table.unreported())):
