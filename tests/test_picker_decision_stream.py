@@ -212,6 +212,15 @@ def test_batches_of_pools_not_served_are_counted_not_applied() -> None:
     assert gw.peers.not_served == 1 and views(gw)["pod-a"] == (0, 0)
 
 
+def test_requests_to_pods_that_are_no_members_are_not_counted() -> None:
+    gw = gateway(FakeClock())
+    gw.apply_peer(batch("other", routed(1, "pod-gone"), routed(2, "pod-a")))
+    table = gw.table(POOL)
+    assert table is not None
+    assert table.peer_in_flight() == {"pod-a": 1} and table.unreported() == {"pod-a": 1}
+    assert gw.peers.unknown_pod == 1 and gw.peers.in_flight() == 1
+
+
 def test_undecodable_batches_are_counted_and_skipped() -> None:
     applied: list[DecisionBatch] = []
     bad: list[int] = []

@@ -68,6 +68,7 @@ class PeerDecisions:
         self.own = 0  # batches of our own that came back (NATS echoes them)
         self.not_served = 0  # batches for a pool this picker does not serve
         self.expired = 0  # requests finished by expiry instead of a finished event
+        self.unknown_pod = 0  # routed events naming a pod that is no member here (yet)
 
     def apply(self, batch: DecisionBatch) -> None:
         """Count ``batch``'s routed and finished requests in its pool's table."""
@@ -94,8 +95,10 @@ class PeerDecisions:
             if kind is RoutedEvent:
                 if event.request_id in requests:  # a repeat (moved to a fallback pod)
                     table.peer_finished(requests.pop(event.request_id)[0])
-                requests[event.request_id] = (event.pod, now)
-                table.peer_started(event.pod)
+                if table.peer_started(event.pod):
+                    requests[event.request_id] = (event.pod, now)
+                else:
+                    self.unknown_pod += 1
             elif kind is FinishedEvent:
                 entry = requests.pop(event.request_id, None)
                 if entry is not None:  # else routed before we listened, or already expired

@@ -175,13 +175,18 @@ class PodTable:
         _decrement(self._in_flight, pod)
         self.gray.finished(pod)
 
-    def peer_started(self, pod: str) -> None:
+    def peer_started(self, pod: str) -> bool:
         """A peer picker sent a request to ``pod``: it counts as this picker's own would (in
         flight until :meth:`peer_finished`, unreported until the pod's next snapshot), except
-        for the gray-pod guard, which judges only requests whose outcome this picker sees."""
+        for the gray-pod guard, which judges only requests whose outcome this picker sees.
+        False (nothing counted) when ``pod`` is no member here: a count no snapshot of a
+        member would ever clear."""
+        if pod not in self._endpoints:
+            return False
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
         self._peer_in_flight[pod] = self._peer_in_flight.get(pod, 0) + 1
         self._unreported.routed(pod)
+        return True
 
     def peer_finished(self, pod: str) -> None:
         """A request a peer sent to ``pod`` has ended (or its count expired)."""
