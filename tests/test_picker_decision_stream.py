@@ -3,6 +3,7 @@ expiry (fake clock), the batch schema; and the publisher over a real nats-server
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -12,8 +13,11 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry
 
 from services.picker.decision_stream import DecisionPublisher, DecisionSink
+from services.picker.main import build_gateway, configure, decision_publisher
+from services.picker.observability import PickerMetrics
 from services.picker.peer_decisions import MIN_SILENCE, SILENCE_HEARTBEATS
 from services.picker.pools import Gateway
 from services.picker.routing import Routed, Router
@@ -313,3 +317,28 @@ async def _wait_for(condition: Callable[[], bool], within: float = 2.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("condition not met in time")
         await asyncio.sleep(0.005)
+
+
+# --- the flag ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("argv", "env", "shared"), [
+    ([], None, True), (["--no-shared-decisions"], None, False), ([], "0", False),
+    ([], "off", False), (["--shared-decisions"], "0", True), ([], "1", True)])
+def test_shared_decisions_is_on_by_default_and_turned_off_by_flag_or_env(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], env: str | None,
+        shared: bool) -> None:
+    if env is None:
+        monkeypatch.delenv("LIG_SHARED_DECISIONS", raising=False)
+    else:
+        monkeypatch.setenv("LIG_SHARED_DECISIONS", env)
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(argv)
+    metrics = PickerMetrics(CollectorRegistry())
+    publisher = decision_publisher(args, Subjects(), metrics)
+    assert (publisher is not None) is shared
+    args.pools = [POOL]
+    gw = build_gateway(args, metrics, publisher)
+    assert gw.on_decision is publisher
+    if publisher is not None:
+        assert gw.peers.picker_id == publisher.picker_id != ""
