@@ -68,8 +68,8 @@ def gateway(clock: FakeClock, picker_id: str = "me",
     pods = PodTable(stale_after=1000.0, clock=clock)
     router = Router(POOL, pods, random.Random(1))
     on_decision = None if events is None else (lambda pool, e: events.append((pool, e)))
-    gw = Gateway([POOL], lambda pool: router, on_decision=on_decision, picker_id=picker_id)
-    gw.peers._clock = clock
+    gw = Gateway([POOL], lambda pool: router, on_decision=on_decision, picker_id=picker_id,
+                 clock=clock)
     view = RegistryView()
     view.pools[POOL] = InferencePool(POOL, 8000)
     view.models[POOL] = {"m": model or InferenceModel("m", POOL)}

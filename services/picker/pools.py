@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 
@@ -89,16 +90,18 @@ class Gateway:
     builds a pool's router and pod table; ``on_conflicts(count)`` gets the number of model names
     in conflict after every registry update that changed it. ``on_decision`` (None: nobody
     listens) hears of each request routed, finished or shed; ``picker_id`` names this picker in
-    the decision stream, so that its own batches coming back are not counted twice.
+    the decision stream, so that its own batches coming back are not counted twice; ``clock``
+    times peers' silence and requests for their expiry (virtual time in a simulation).
     """
 
     def __init__(self, pools: Sequence[str], make_router: Callable[[str], Router],
                  unknown: UnknownModels | None = None, rng: random.Random | None = None,
                  on_conflicts: Callable[[int], None] = lambda count: None,
-                 on_decision: DecisionCallback | None = None, picker_id: str = "") -> None:
+                 on_decision: DecisionCallback | None = None, picker_id: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.all_pools = not pools
         self.on_decision = on_decision
-        self.peers = PeerDecisions(picker_id, self.table)
+        self.peers = PeerDecisions(picker_id, self.table, clock)
         self._make_router = make_router
         self.unknown = unknown if unknown is not None else UnknownModels()
         self._rng = rng if rng is not None else random.Random()
