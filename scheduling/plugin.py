@@ -51,23 +51,35 @@ class Picker(Protocol):
 
 
 PluginKind = Literal["filter", "scorer", "picker"]
-PluginFactory = Callable[[Mapping[str, Any], random.Random], Filter | Scorer | Picker]
-
-
-class PluginType(msgspec.Struct, frozen=True):
-    """A registry entry: what kind of plugin a type name builds, and its factory."""
-
-    kind: PluginKind
-    factory: PluginFactory
 
 
 class NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Parameters of a plugin that takes none."""
 
 
-def no_params(params: Mapping[str, Any], plugin: str) -> None:
-    """Reject any parameter given to a plugin that takes none."""
-    parse_params(params, NoParams, f"plugin {plugin!r}")
+class PluginRecord(msgspec.Struct, frozen=True):
+    """How to build one plugin type: each plugin module declares one, the catalog lists them.
+
+    ``constructor`` is called with the fields of the parsed ``params`` Struct as keyword
+    arguments, plus ``rng=`` (the policy's random source) when ``takes_rng`` is set.
+    """
+
+    name: str
+    kind: PluginKind
+    constructor: Callable[..., Filter | Scorer | Picker]
+    params: type[msgspec.Struct] = NoParams
+    takes_rng: bool = False
+
+    def build(self, params: Mapping[str, Any], rng: random.Random) -> Filter | Scorer | Picker:
+        """Check ``params`` against the params Struct and construct the plugin.
+
+        Raises :class:`~scheduling.params.PolicyConfigError` naming the plugin and the parameter.
+        """
+        parsed = parse_params(params, self.params, f"plugin {self.name!r}")
+        kwargs = msgspec.structs.asdict(parsed)
+        if self.takes_rng:
+            kwargs["rng"] = rng
+        return self.constructor(**kwargs)
 
 
 class BestScore:

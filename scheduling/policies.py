@@ -23,9 +23,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from scheduling.catalog import create_plugin
 from scheduling.params import PolicyConfigError, parse_params
 from scheduling.plugin import FilterFailed, NoParams, Picker, ShedRequest
-from scheduling.registry import create_plugin
 from scheduling.tree import Node, build_tree, run_tree
 from scheduling.types import (
     Decision,

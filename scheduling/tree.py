@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from scheduling.catalog import create_plugin
 from scheduling.params import PolicyConfigError
 from scheduling.plugin import BestScore, Filter, FilterFailed
-from scheduling.registry import create_plugin
 from scheduling.types import PodView, SchedulingRequest, StepTrace
 
 
@@ -62,7 +62,7 @@ def parse_spec(spec: Any) -> StepSpec:
 
 
 def build_tree(spec: Any, rng: random.Random) -> Node:
-    """Build the nodes of a tree spec, creating each step's plugin from the registry."""
+    """Build the nodes of a tree spec, creating each step's plugin from the catalog."""
     return _build(parse_spec(spec), rng)
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from scheduling import PodView, SchedulingRequest, build_policy
-from scheduling.registry import create_plugin
+from scheduling.catalog import create_plugin
 from scheduling.tree import Node, run_tree
 from shared.schemas import Criticality, PolicyConfig
 

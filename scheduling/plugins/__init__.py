@@ -1,1 +1,1 @@
-"""One scheduling plugin per module; ``registry.py`` maps their type names to factories."""
+"""One scheduling plugin per module; each declares the ``PLUGIN`` record ``catalog.py`` lists."""

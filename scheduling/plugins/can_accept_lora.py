@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -32,7 +30,4 @@ class CanAcceptLora:
         return [pod for pod in pods if active_adapter_count(pod) < pod.max_lora]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> CanAcceptLora:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "can_accept_lora")
-    return CanAcceptLora()
+PLUGIN = PluginRecord("can_accept_lora", "filter", CanAcceptLora)

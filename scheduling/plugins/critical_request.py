@@ -6,11 +6,9 @@ so only Sheddable requests fail this step and take the sheddable branch.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 from shared.schemas import Criticality
 
@@ -25,7 +23,4 @@ class CriticalRequest:
         return () if request.criticality is Criticality.SHEDDABLE else pods
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> CriticalRequest:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "critical_request")
-    return CriticalRequest()
+PLUGIN = PluginRecord("critical_request", "filter", CriticalRequest)

@@ -6,11 +6,9 @@ a scrape interval; used as a tie-break they spread bursts that arrive between tw
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -24,7 +22,4 @@ class InFlightScorer:
         return [-pod.in_flight for pod in pods]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> InFlightScorer:
-    """Build the scorer (it takes no parameters)."""
-    no_params(params, "in_flight")
-    return InFlightScorer()
+PLUGIN = PluginRecord("in_flight", "scorer", InFlightScorer)

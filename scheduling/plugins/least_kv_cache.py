@@ -7,11 +7,9 @@ NaN usages are left out of the bounds and never kept, which is what upstream's c
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -35,7 +33,4 @@ class LeastKvCache:
         return [pod for pod in pods if low <= pod.kv_cache_usage <= high]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> LeastKvCache:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "least_kv_cache")
-    return LeastKvCache()
+PLUGIN = PluginRecord("least_kv_cache", "filter", LeastKvCache)

@@ -8,11 +8,9 @@ the next step more choice, which upstream found better on aggregate.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -31,7 +29,4 @@ class LeastQueue:
         return [pod for pod in pods if low <= pod.waiting <= high]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> LeastQueue:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "least_queue")
-    return LeastQueue()
+PLUGIN = PluginRecord("least_queue", "filter", LeastQueue)

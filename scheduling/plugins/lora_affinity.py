@@ -7,11 +7,9 @@ A base-model request (target not in any adapter list) matches no pod, as upstrea
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -28,7 +26,4 @@ class LoraAffinity:
         ]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> LoraAffinity:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "lora_affinity")
-    return LoraAffinity()
+PLUGIN = PluginRecord("lora_affinity", "filter", LoraAffinity)

@@ -4,11 +4,9 @@ load over several pods)."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.plugins.can_accept_lora import active_adapter_count
 from scheduling.types import PodView, SchedulingRequest
 
@@ -30,7 +28,4 @@ class LowLoraCost:
         ]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> LowLoraCost:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "low_lora_cost")
-    return LowLoraCost()
+PLUGIN = PluginRecord("low_lora_cost", "filter", LowLoraCost)

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 
-from scheduling.params import parse_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -33,6 +32,4 @@ class LowQueue:
         return [pod for pod in pods if pod.waiting < threshold]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> LowQueue:
-    """Build the filter from its ``threshold`` parameter."""
-    return LowQueue(parse_params(params, LowQueueParams, "plugin 'low_queue'").threshold)
+PLUGIN = PluginRecord("low_queue", "filter", LowQueue, LowQueueParams)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -23,7 +22,4 @@ class RandomPicker:
         return self._choice(pods)
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> RandomPicker:
-    """Build the picker (it takes no parameters)."""
-    no_params(params, "random")
-    return RandomPicker(rng)
+PLUGIN = PluginRecord("random", "picker", RandomPicker, takes_rng=True)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -25,7 +23,4 @@ class RoundRobinPicker:
         return pod
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> RoundRobinPicker:
-    """Build the picker (it takes no parameters)."""
-    no_params(params, "round_robin")
-    return RoundRobinPicker()
+PLUGIN = PluginRecord("round_robin", "picker", RoundRobinPicker)

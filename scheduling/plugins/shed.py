@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import ShedRequest, no_params
+from scheduling.plugin import PluginRecord, ShedRequest
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -20,7 +18,4 @@ class Shed:
         raise ShedRequest("dropping request due to limited backend resources")
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> Shed:
-    """Build the filter (it takes no parameters)."""
-    no_params(params, "shed")
-    return Shed()
+PLUGIN = PluginRecord("shed", "filter", Shed)

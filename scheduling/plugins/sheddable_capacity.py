@@ -4,13 +4,12 @@ ones (upstream's ``noQueueAndLessThanKVCacheThresholdPredicate``):
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 
-from scheduling.params import parse_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -36,7 +35,4 @@ class SheddableCapacity:
         return [pod for pod in pods if pod.waiting <= queue and pod.kv_cache_usage <= kv]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> SheddableCapacity:
-    """Build the filter from ``queue_threshold`` and ``kv_cache_threshold``."""
-    p = parse_params(params, SheddableCapacityParams, "plugin 'sheddable_capacity'")
-    return SheddableCapacity(p.queue_threshold, p.kv_cache_threshold)
+PLUGIN = PluginRecord("sheddable_capacity", "filter", SheddableCapacity, SheddableCapacityParams)

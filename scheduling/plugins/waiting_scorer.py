@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from scheduling.plugin import no_params
+from scheduling.plugin import PluginRecord
 from scheduling.types import PodView, SchedulingRequest
 
 
@@ -20,7 +18,4 @@ class WaitingScorer:
         return [-pod.waiting for pod in pods]
 
 
-def create(params: Mapping[str, Any], rng: random.Random) -> WaitingScorer:
-    """Build the scorer (it takes no parameters)."""
-    no_params(params, "waiting")
-    return WaitingScorer()
+PLUGIN = PluginRecord("waiting", "scorer", WaitingScorer)
