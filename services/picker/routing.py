@@ -275,7 +275,7 @@ class Router:
                 return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
                                 target, registered, pool)
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
-                      fallbacks, pool, criticality, self._next_id())
+                      fallbacks, pool, criticality=criticality, request_id=self._next_id())
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Rejected:
         """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod (of the
