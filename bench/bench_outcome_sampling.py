@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_picker import POOL, closed_loop, cpu_seconds, request_bytes
-from services.picker.envoy_config import envoy_config
+from envoy_bootstrap import envoy_config
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer

@@ -42,7 +42,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.picker.envoy_config import BODY_MODES, PickerEndpoint, envoy_config
+from envoy_bootstrap import BODY_MODES, PickerEndpoint, envoy_config
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer

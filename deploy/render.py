@@ -4,8 +4,8 @@
     python deploy/render.py --check   # exit 1 if any is out of date (tests/test_compose.py)
 
 Derived files, so that compose and Kubernetes run exactly what ``lig up`` and the tests run:
-- ``deploy/envoy/envoy-compose.yaml``: ``deploy/envoy/envoy.yaml`` rendered for compose (pickers
-  found by DNS through the service name ``picker``; listener on the gateway port);
+- ``deploy/envoy/envoy-compose.yaml``: ``envoy_bootstrap/envoy.yaml`` rendered for compose
+  (pickers found by DNS through the service name ``picker``; listener on the gateway port);
 - ``deploy/registry/pool.yaml``: ``examples/local`` with the pool's endpoints at the compose
   simulator's fixed address (read from ``deploy/compose.yaml``);
 - ``deploy/kubernetes/configmaps.yaml``: the same two for Kubernetes (the pickers' headless
@@ -23,16 +23,10 @@ import yaml
 DEPLOY = Path(__file__).resolve().parent
 sys.path.insert(0, str(DEPLOY.parent))
 
-from lig import local_registry  # noqa: E402
-from lig.topology import (  # noqa: E402
-    DEFAULT_GATEWAY_PORT,
-    ENVOY_ADMIN_PORT,
-    EXAMPLE_CONFIG,
-    PICKER_GRPC_PORT,
-    PICKER_HEALTH_PORT,
-    SIM_BASE_PORT,
-)
-from services.picker.envoy_config import render_envoy_config  # noqa: E402
+from envoy_bootstrap import PickerEndpoint, render_envoy_config  # noqa: E402
+from lig import stack_config  # noqa: E402
+from lig.topology import EXAMPLE_CONFIG  # noqa: E402
+from shared import ports  # noqa: E402
 
 COMPOSE_FILE = DEPLOY / "compose.yaml"
 COMPOSE_ENVOY = DEPLOY / "envoy" / "envoy-compose.yaml"
@@ -63,18 +57,16 @@ def kubernetes_sim_address() -> str:
 
 def envoy_for(picker_host: str) -> str:
     """Envoy's bootstrap with every picker replica behind one DNS name."""
-    return render_envoy_config(
-        listener_port=DEFAULT_GATEWAY_PORT, admin_port=ENVOY_ADMIN_PORT,
-        pickers=[(picker_host, PICKER_GRPC_PORT, PICKER_HEALTH_PORT)],
-    )
+    return render_envoy_config(pickers=[PickerEndpoint(picker_host)])
 
 
 def registry_for(address: str) -> dict[str, str]:
     """The example registry with its pool's endpoints at ``address`` (file name -> YAML)."""
-    example = local_registry.load_config(EXAMPLE_CONFIG)
-    pool = local_registry.choose_pool(example, None)
-    pods = local_registry.simulated_endpoints(example, pool, SIM_PODS, SIM_BASE_PORT, address)
-    return local_registry.with_endpoints(EXAMPLE_CONFIG, pool, pods)
+    example = stack_config.load_config(EXAMPLE_CONFIG)
+    pool = stack_config.choose_pool(example, None)
+    pods = stack_config.simulated_endpoints(example, pool, SIM_PODS, ports.SIMULATOR_BASE,
+                                            address)
+    return stack_config.with_endpoints(EXAMPLE_CONFIG, pool, pods)
 
 
 def configmaps() -> str:
@@ -106,12 +98,12 @@ def rendered() -> dict[Path, str]:
     if list(registry_files) != [COMPOSE_REGISTRY.name]:
         raise ValueError(f"expected one file in {relative}, found {list(registry_files)}")
     return {
-        COMPOSE_ENVOY: HEADER.format(sources="deploy/envoy/envoy.yaml")
+        COMPOSE_ENVOY: HEADER.format(sources="envoy_bootstrap/envoy.yaml")
         + envoy_for(COMPOSE_PICKER_HOST),
         COMPOSE_REGISTRY: HEADER.format(sources=f"{relative} and deploy/compose.yaml")
         + registry_files[COMPOSE_REGISTRY.name],
         KUBERNETES_CONFIGMAPS: HEADER.format(
-            sources=f"deploy/envoy/envoy.yaml, {relative} and deploy/kubernetes/sim.yaml")
+            sources=f"envoy_bootstrap/envoy.yaml, {relative} and deploy/kubernetes/sim.yaml")
         + configmaps(),
     }
 

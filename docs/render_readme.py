@@ -79,8 +79,8 @@ def _metric_registries() -> dict[str, Callable[[], CollectorRegistry]]:
 
     return {
         "lig picker (`--metrics-port`, 9090)": picker,
-        "lig collector (`--metrics-port`, 9091)": lambda: CollectorMetrics().registry,
-        "lig registry (`--metrics-port`, 9092)": lambda: RegistryMetrics().registry,
+        "lig collector (`--metrics-port`, 9091)": lambda: CollectorMetrics().prometheus,
+        "lig registry (`--metrics-port`, 9092)": lambda: RegistryMetrics().prometheus,
     }
 
 

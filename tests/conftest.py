@@ -8,4 +8,5 @@ pytest_plugins = [
     "tests.support.picker",
     "tests.support.simulator",
     "tests.support.kube_apiserver",
+    "tests.support.process_marker",
 ]

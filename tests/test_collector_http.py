@@ -153,9 +153,9 @@ async def test_a_50_mb_page_is_reported_too_large_not_as_a_timeout(
         snapshot = await scraper.scrape(target, seq=1)
         assert not snapshot.ok
         assert (snapshot.error or "").startswith("too large"), snapshot.error
-        assert metrics.registry.get_sample_value(
+        assert metrics.prometheus.get_sample_value(
             "lig_collector_scrapes_total", {"outcome": "too_large"}) == 1
-        assert metrics.registry.get_sample_value(
+        assert metrics.prometheus.get_sample_value(
             "lig_collector_scrapes_total", {"outcome": "timeout"}) == 0
         # The oversized exchange dropped its connection; a sane page is then read normally.
         server.page = PAGE

@@ -117,8 +117,8 @@ async def test_snapshots_of_healthy_and_failing_pods(nats_server, page_servers) 
 
             # A pod removed from the registry is no longer scraped.
             await put_pool(kv, InferencePool(name="main", target_port=8000), pods[1:])
-            await eventually(lambda: "v1" not in {t.pod for t in collector.scheduler.targets
-                                                  .values()}, what="v1 dropped")
+            await eventually(lambda: "v1" not in {
+                t.pod for t in collector.scrape_supervisor.targets.values()}, what="v1 dropped")
             removed_at = time.monotonic() + 0.1  # a request already in flight may still land
             await asyncio.sleep(0.6)
             assert v1.requests_since(removed_at) == []
@@ -164,7 +164,7 @@ async def test_publishing_and_registry_watch_resume_after_nats_restart(
         ) as collector:
             await eventually(lambda: log.latest("a") is not None, within=10)
             nats_server.stop()
-            await eventually(lambda: (collector.metrics.registry.get_sample_value(
+            await eventually(lambda: (collector.metrics.prometheus.get_sample_value(
                 "lig_collector_publish_errors_total", {"reason": "disconnected"}) or 0) > 0,
                 within=10, what="snapshots dropped (and counted) while NATS is down")
             nats_server.start()

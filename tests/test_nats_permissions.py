@@ -16,11 +16,12 @@ import pytest
 from nats.aio.client import Client
 
 from lig.nats_config import write_config
+from lig.server_binaries import server_binary
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
 from shared.schemas import PodMetrics, encode
 from shared.subjects import Subjects
-from tests.support.nats_server import NatsServer, nats_server_binary
+from tests.support.nats_server import NatsServer
 from tests.support.picker import PickerProcess
 from tests.support.processes import die_with_parent
 from tests.support.registry_yaml import dump, model, pool
@@ -162,8 +163,9 @@ def test_generated_config_is_valid_and_private(tmp_path: Path) -> None:
     for name in ("auth.conf", *(f"{service}.env" for service in SERVICES)):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
     (tmp_path / "server.conf").write_text("include auth.conf\n")
-    checked = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "server.conf")],
-                             capture_output=True, text=True, timeout=10)
+    checked = subprocess.run(
+        [server_binary("nats-server"), "-t", "-c", str(tmp_path / "server.conf")],
+        capture_output=True, text=True, timeout=10)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     # Running it again keeps the passwords (the server and the services stay in step).
     again = write_config(tmp_path, SUBJECTS, REPLAY)

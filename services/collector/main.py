@@ -1,7 +1,7 @@
 """``lig collector``: scrape the registry's pods and publish a snapshot per scrape on NATS.
 
 Wiring only: the registry watcher and the collectors' membership both trigger
-:meth:`Collector.rebalance`, which hands the pods this collector owns to the scheduler; each
+:meth:`Collector.rebalance`, which hands the pods this collector owns to the supervisor; each
 owned pod runs a scrape loop that publishes every snapshot.
 """
 
@@ -23,7 +23,7 @@ from services.collector.ownership import owned_by
 from services.collector.pod_loop import Cadence, run_pod_loop
 from services.collector.publisher import SnapshotPublisher
 from services.collector.recording import keep_stream
-from services.collector.scheduler import Scheduler
+from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import Scraper
 from services.collector.targets import ScrapeTarget, targets_from_view
 from shared.logs import add_logging_arguments, setup_logging
@@ -122,7 +122,7 @@ class Collector:
         self.scraper = Scraper(settings.scrape_timeout_s, f"lig-collector/{settings.collector_id}",
                                self.metrics)
         self.cadence = Cadence(settings.interval_s, settings.max_backoff_s)
-        self.scheduler = Scheduler(self._scrape_loop, stopped=self.scraper.close)
+        self.scrape_supervisor = ScrapeSupervisor(self._scrape_loop, stopped=self.scraper.close)
         # Set once NATS is connected (see run).
         self.publisher: SnapshotPublisher | None = None
         self.membership: Membership | None = None
@@ -174,7 +174,7 @@ class Collector:
         try:
             await stop.wait()
         finally:
-            await self.scheduler.stop()
+            await self.scrape_supervisor.stop()
             # Membership announces that this collector leaves, so peers take over at once.
             await finish_within(asyncio.gather(*tasks, return_exceptions=True),
                                 SHUTDOWN_TIMEOUT_S)
@@ -190,8 +190,8 @@ class Collector:
         members = self.membership.members()
         wanted = owned_by(self.settings.collector_id, targets, members) \
             if self.membership.active else {}
-        before = len(self.scheduler.targets)
-        self.scheduler.reconcile(wanted)
+        before = len(self.scrape_supervisor.targets)
+        self.scrape_supervisor.reconcile(wanted)
         self.metrics.pods_known.set(len(targets))
         self.metrics.pods_owned.set(len(wanted))
         self.metrics.live_collectors.set(len(members))

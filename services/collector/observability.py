@@ -11,11 +11,11 @@ PARSE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0
 
 
 class CollectorMetrics:
-    """Counters and gauges of one collector, in their own registry (no process-global state)."""
+    """Counters and gauges of one collector, in their own Prometheus registry (no global state)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.prometheus = CollectorRegistry()
+        r = self.prometheus
         self.scrapes = Counter("lig_collector_scrapes", "Pod scrapes by outcome (ok, timeout, "
                                "connect_error, http_status, transport_error, too_large, bad_page)",
                                ["outcome"], registry=r)
@@ -45,7 +45,7 @@ class CollectorMetrics:
 
 def serve_metrics(metrics: CollectorMetrics, host: str, port: int) -> Callable[[], None]:
     """Serve ``/metrics`` on ``host:port`` from a background thread; returns a shutdown function."""
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    server, thread = start_http_server(port, addr=host, registry=metrics.prometheus)
 
     def shutdown() -> None:
         server.shutdown()

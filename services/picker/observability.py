@@ -25,87 +25,87 @@ UNREGISTERED = "unregistered"
 
 
 class PickerMetrics:
-    """Every metric the picker exports, registered on ``registry``."""
+    """Every metric the picker exports, registered on the ``prometheus`` collector registry."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, prometheus: CollectorRegistry) -> None:
         self.requests = Counter(
             "lig_picker_requests", "Requests handled, by requested model, target model, pod "
             "and outcome (routed, 400, 404, 429, 503, 500)",
-            ["model", "target_model", "pod", "outcome"], registry=registry)
+            ["model", "target_model", "pod", "outcome"], registry=prometheus)
         self.decision_seconds = Histogram(
             "lig_picker_decision_seconds", "Time from a complete request body to the routing "
-            "answer", buckets=_DECISION_BUCKETS, registry=registry)
+            "answer", buckets=_DECISION_BUCKETS, registry=prometheus)
         self.tokens = Counter(
             "lig_picker_tokens", "Tokens reported in response usage, by requested model and kind",
-            ["model", "kind"], registry=registry)
+            ["model", "kind"], registry=prometheus)
         self.all_stale = Counter(
             "lig_picker_all_stale_decisions", "Requests routed uniformly at random because no "
-            "pod had fresh metrics", registry=registry)
+            "pod had fresh metrics", registry=prometheus)
         self.undecodable = Counter(
             "lig_picker_undecodable_messages", "NATS messages that did not decode and were "
-            "skipped, by source", ["source"], registry=registry)
+            "skipped, by source", ["source"], registry=prometheus)
         self.out_of_order = Counter(
             "lig_picker_out_of_order_snapshots", "Metric snapshots dropped because a newer one "
-            "had already arrived", registry=registry)
+            "had already arrived", registry=prometheus)
         self.snapshots = Counter(
             "lig_picker_snapshots_received", "Metric snapshots received from NATS, before any "
-            "check (the ingest rate)", registry=registry)
+            "check (the ingest rate)", registry=prometheus)
         self.wrong_address = Counter(
             "lig_picker_wrong_address_snapshots", "Metric snapshots dropped because their "
-            "address is not the registered endpoint's", registry=registry)
+            "address is not the registered endpoint's", registry=prometheus)
         self.pods = Gauge(
             "lig_picker_pods", "Member pods of the served pools by metrics freshness",
-            ["state"], registry=registry, multiprocess_mode="livemax")
+            ["state"], registry=prometheus, multiprocess_mode="livemax")
         self.pool_pods = Gauge(
             "lig_picker_pool_pods", "Member pods of each served pool by metrics freshness",
-            ["pool", "state"], registry=registry, multiprocess_mode="livemax")
+            ["pool", "state"], registry=prometheus, multiprocess_mode="livemax")
         self.model_conflicts = Gauge(
             "lig_picker_model_conflicts", "Model names registered in more than one of the "
             "pools this picker serves (each keeps its previous pool, or none)",
-            registry=registry, multiprocess_mode="livemax")
+            registry=prometheus, multiprocess_mode="livemax")
         self.snapshot_age = Gauge(
             "lig_picker_snapshot_age_seconds", "Age of each pod's newest metric snapshot "
-            "(scrape time to now)", ["pod"], registry=registry, multiprocess_mode="livemax")
+            "(scrape time to now)", ["pod"], registry=prometheus, multiprocess_mode="livemax")
         self.in_flight = Gauge(
             "lig_picker_in_flight_requests", "Requests this picker sent to each pod that have "
-            "not finished", ["pod"], registry=registry, multiprocess_mode="livesum")
+            "not finished", ["pod"], registry=prometheus, multiprocess_mode="livesum")
         self.gray_exclusions = Counter(
             "lig_picker_gray_exclusions", "Times a pod was left out as gray, by pod and reason "
             "(unfinished: requests not finishing while it reports idle; 5xx: mostly failed "
-            "responses)", ["pod", "reason"], registry=registry)
+            "responses)", ["pod", "reason"], registry=prometheus)
         self.nats_connected = Gauge(
-            "lig_picker_nats_connected", "1 while connected to NATS", registry=registry,
+            "lig_picker_nats_connected", "1 while connected to NATS", registry=prometheus,
             multiprocess_mode="livemin")
         self.http2_errors = Counter(
             "lig_picker_http2_errors", "Connections the built-in ext_proc server closed for a "
             "protocol error, by kind (an HTTP/2 error code name, or PREFACE_TIMEOUT)", ["kind"],
-            registry=registry)
+            registry=prometheus)
         self.served_elsewhere = Counter(
             "lig_picker_served_elsewhere", "Requests the gateway reports as served by another "
             "pod than the picker's primary choice (it went down the fallback list); they are "
-            "accounted to the pod that served them", registry=registry)
+            "accounted to the pod that served them", registry=prometheus)
         self.ready = Gauge(
             "lig_picker_ready", "1 once registry state and a metric snapshot have arrived",
-            registry=registry, multiprocess_mode="livemin")
+            registry=prometheus, multiprocess_mode="livemin")
         self.decisions_published = Counter(
             "lig_picker_decision_events_published", "Decisions (routed, finished, shed) this "
-            "picker published on the decision stream", registry=registry)
+            "picker published on the decision stream", registry=prometheus)
         self.decisions_dropped = Counter(
             "lig_picker_decision_events_dropped", "Decisions not published, by reason "
             "(queue_full: more pending than the queue holds; nats_away: NATS disconnected)",
-            ["reason"], registry=registry)
+            ["reason"], registry=prometheus)
         self.decisions_applied = Counter(
             "lig_picker_decision_events_applied", "Peer pickers' decisions applied to the load "
-            "estimate (this picker's own, echoed back, are not counted)", registry=registry)
+            "estimate (this picker's own, echoed back, are not counted)", registry=prometheus)
         self.decisions_expired = Counter(
             "lig_picker_decision_requests_expired", "Peers' requests dropped from the in-flight "
             "counts without a finished event (peer silent, or request past its TTL)",
-            registry=registry)
+            registry=prometheus)
         self.decision_peers = Gauge(
             "lig_picker_decision_peers", "Peer pickers heard from on the decision stream "
-            "within their heartbeat allowance", registry=registry, multiprocess_mode="livemax")
+            "within their heartbeat allowance", registry=prometheus, multiprocess_mode="livemax")
         self.load_estimate = LoadEstimateCollector()
-        registry.register(self.load_estimate)
+        prometheus.register(self.load_estimate)
         self._request_children: dict[tuple[str, str, str, str], Counter] = {}
         self._token_children: dict[str, tuple[Counter, Counter]] = {}
         self._pods_seen: set[str] = set()

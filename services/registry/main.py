@@ -122,7 +122,7 @@ async def _serve(args: argparse.Namespace, override: EndpointsOverride | None,
         await reconciler.check_inputs()
     server = None
     if args.metrics_port:
-        server, _ = start_http_server(args.metrics_port, args.host, registry=metrics.registry)
+        server, _ = start_http_server(args.metrics_port, args.host, registry=metrics.prometheus)
     work = asyncio.create_task(_publish_forever(args, reconciler, source,
                                                 metrics_port=args.metrics_port))
     stopping = asyncio.create_task(stop.wait())

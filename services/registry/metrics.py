@@ -1,4 +1,4 @@
-"""The registry's own Prometheus metrics (``lig_registry_*``), in a registry of their own."""
+"""The registry's own Prometheus metrics (``lig_registry_*``), in a Prometheus registry apart."""
 
 from __future__ import annotations
 
@@ -14,42 +14,42 @@ class RegistryMetrics:
     """Reload outcomes, what is published, and when things last went right."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.prometheus = CollectorRegistry(auto_describe=True)
         self.reloads = Counter(
             "lig_registry_reloads", "Input reloads by outcome (ok, invalid)", ["outcome"],
-            registry=self.registry,
+            registry=self.prometheus,
         )
         self.input_valid = Gauge(
             "lig_registry_input_valid",
             "1 when the newest input was valid, 0 when it was rejected or refused",
-            registry=self.registry,
+            registry=self.prometheus,
         )
         self.last_reload = Gauge(
             "lig_registry_last_successful_reload_timestamp_seconds",
-            "Unix time of the newest valid reload", registry=self.registry,
+            "Unix time of the newest valid reload", registry=self.prometheus,
         )
         self.objects = Gauge(
             "lig_registry_objects", "Objects in the desired state by kind (pool, model, endpoints)",
-            ["kind"], registry=self.registry,
+            ["kind"], registry=self.prometheus,
         )
         self.writes = Counter(
             "lig_registry_kv_writes", "KV writes by operation (put, delete)", ["op"],
-            registry=self.registry,
+            registry=self.prometheus,
         )
         self.publishes = Counter(
             "lig_registry_publishes", "Publish passes by outcome (ok, error)", ["outcome"],
-            registry=self.registry,
+            registry=self.prometheus,
         )
         self.last_publish = Gauge(
             "lig_registry_last_successful_publish_timestamp_seconds",
             "Unix time of the newest pass that left the bucket equal to the desired state",
-            registry=self.registry,
+            registry=self.prometheus,
         )
         self.refusals = Counter(
             "lig_registry_refused",
             "Publishes refused because they would remove every pool (no_pools) or every "
             "endpoint of a pool (no_endpoints); see --allow-empty", ["reason"],
-            registry=self.registry,
+            registry=self.prometheus,
         )
         for reason in ("no_pools", "no_endpoints"):
             self.refusals.labels(reason)

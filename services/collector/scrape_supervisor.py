@@ -1,7 +1,7 @@
 """Keeps exactly one scrape loop running per pod this collector owns.
 
-:meth:`Scheduler.reconcile` is given the wanted targets whenever the registry or the set of live
-collectors changes; it stops loops of pods no longer wanted, starts loops for new ones and
+:meth:`ScrapeSupervisor.reconcile` is given the wanted targets whenever the registry or the set
+of live collectors changes; it stops loops of pods no longer wanted, starts loops for new ones and
 restarts a loop whose target moved (new address or metrics URL). A restarted loop waits for its
 predecessor to finish, so even then two scrapes of one pod never overlap.
 """
@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from services.collector.targets import ScrapeTarget
 
-log = logging.getLogger("lig.collector.scheduler")
+log = logging.getLogger("lig.collector.scrape_supervisor")
 
 RESTART_DELAY_S = 1.0
 
 
-class Scheduler:
+class ScrapeSupervisor:
     """Runs ``loop(target)`` for every wanted target; ``stopped(target)`` runs after each ends."""
 
     def __init__(
