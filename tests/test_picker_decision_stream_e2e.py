@@ -99,6 +99,11 @@ async def open_request(stub: external_processor_pb2_grpc.ExternalProcessorStub
     return call
 
 
+def peers_counted(picker: PickerProcess, count: int) -> Callable[[], bool]:
+    """Whether ``picker`` counts ``count`` requests of its peers in flight."""
+    return lambda: total(picker, "in_flight_peers") == count
+
+
 def poll_until(condition: Callable[[], bool], within: float) -> float:
     """Seconds until ``condition`` held, polling as fast as the metrics page answers."""
     start = time.monotonic()
@@ -156,7 +161,7 @@ async def test_a_peers_routed_requests_are_in_the_load_estimate_within_20ms(
         for probe in range(PROBES):
             calls.append(await open_request(stub))
             delays.append(await asyncio.to_thread(
-                poll_until, lambda n=probe + 1: total(second, "in_flight_peers") == n, 2))
+                poll_until, peers_counted(second, probe + 1), 2))
         for call in calls:
             call.cancel()
     median = statistics.median(delays)

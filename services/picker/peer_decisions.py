@@ -91,15 +91,14 @@ class PeerDecisions:
         peer.deadline = now + peer.silence
         requests = peer.requests
         for event in batch.events:
-            kind = type(event)
-            if kind is RoutedEvent:
+            if isinstance(event, RoutedEvent):
                 if event.request_id in requests:  # a repeat (moved to a fallback pod)
                     table.peer_finished(requests.pop(event.request_id)[0])
                 if table.peer_started(event.pod):
                     requests[event.request_id] = (event.pod, now)
                 else:
                     self.unknown_pod += 1
-            elif kind is FinishedEvent:
+            elif isinstance(event, FinishedEvent):
                 entry = requests.pop(event.request_id, None)
                 if entry is not None:  # else routed before we listened, or already expired
                     table.peer_finished(entry[0])
