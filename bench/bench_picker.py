@@ -329,7 +329,7 @@ def serve_constant_answers(port: int, destination: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from services.picker.main import GIL_SWITCH_INTERVAL, grpc_server
+    from services.picker.app import GIL_SWITCH_INTERVAL, grpc_server
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)  # as the picker does
 

@@ -6,7 +6,7 @@ time the event loop's thread spent before coming back to a task waiting 2 ms (a 
 on the picker waits that long at least; Envoy fails an ext_proc message open after 2 s). Two
 consumers of the same burst:
 
-- ``incremental``: the picker's own wiring (``services/picker/main.py``'s NATS link: the
+- ``incremental``: the picker's own wiring (``services/picker/app.py``'s NATS link: the
   registry watch coalesces a burst and hands the router only the names that changed);
 - ``rebuild per entry`` (baseline, the picker before issue 13 item 6): every KV entry applied to
   the view and followed by a full ``Router.update`` (every model route rebuilt).
@@ -36,7 +36,7 @@ import msgspec
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
 
-from services.picker.main import _NatsLink
+from services.picker.app import _NatsLink
 from services.picker.observability import PickerMetrics
 from services.picker.routing import Routed, Router
 from services.picker.state import PodTable

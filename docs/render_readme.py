@@ -28,7 +28,8 @@ from lig.cli import COMMANDS  # noqa: E402
 
 README = ROOT / "README.md"
 HELP_WIDTH = "100"
-_ENV = re.compile(r"\benv\s+(LIG_[A-Z_]+)")
+# "env LIG_X", or "env LIG_X or OLDER_NAME" for a variable also read under an older name.
+_ENV = re.compile(r"\benv\s+(LIG_[A-Z_]+(?:\s+or\s+[A-Z_]+)*)")
 
 
 def command_help(command: str) -> str:
@@ -60,7 +61,9 @@ def commands_section() -> str:
 def environment_section() -> str:
     readers: dict[str, list[str]] = {}
     for command in COMMANDS:
-        for variable in sorted(set(_ENV.findall(command_help(command)))):
+        found = _ENV.findall(command_help(command))
+        for variable in sorted({name for names in found for name in names.split()
+                                if name != "or"}):
             readers.setdefault(variable, []).append(f"`lig {command}`")
     rows = [f"| `{variable}` | {', '.join(commands)} |"
             for variable, commands in sorted(readers.items())]

@@ -2,6 +2,8 @@
 
 Each command module exposes ``configure(parser)`` to add its flags and ``run(args) -> int``.
 Modules are imported only when their command runs, so ``lig sim`` does not pay for gRPC imports.
+This is where a service's errors (:class:`shared.host.errors.ServiceError`: a bad setting, a
+port in use...) become one line on stderr and the error's exit code, the same for every service.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from shared.host.errors import ServiceError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("lig.up", "run the whole local stack: NATS, registry, collector, pickers, Envoy, sims"),
@@ -49,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     module.configure(parser)
-    return module.run(parser.parse_args(top.args))
+    args = parser.parse_args(top.args)
+    try:
+        return int(module.run(args))
+    except ServiceError as error:
+        print(f"lig {top.command}: {error}", file=sys.stderr)
+        return error.exit_code
 
 
 if __name__ == "__main__":

@@ -31,7 +31,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lig.topology import DEFAULT_STATE_DIR, StackInfo
 from shared.logs import setup_logging
-from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
+from shared.nats_connection import (
+    NatsSettings,
+    add_nats_arguments,
+    connect,
+    nats_url_given,
+    settings_from_args,
+)
 from shared.registry_view import RegistryView, RegistryWatcher
 from shared.schemas import DecodeError, PodMetrics, decode
 from shared.subjects import Subjects
@@ -93,9 +99,8 @@ class Report(msgspec.Struct, frozen=True):
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the status command's flags."""
-    add_nats_arguments(parser)
     # Without an explicit URL (flag or LIG_NATS_URL), the running `lig up` stack's NATS is used.
-    parser.set_defaults(nats_url=os.environ.get("LIG_NATS_URL"))
+    add_nats_arguments(parser)
     parser.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR),
                         help="state folder of a running `lig up`, read for its NATS URL and "
                              "picker metrics endpoints")
@@ -119,31 +124,33 @@ def run(args: argparse.Namespace) -> int:
     stack = StackInfo.read(args.state_dir)
     if stack is not None and not _pid_alive(stack.pid):
         stack = None  # left behind by a `lig up` that was killed
-    picker_urls = apply_stack_defaults(args, stack)
+    settings, picker_urls = apply_stack_defaults(args, stack)
     setup_logging("status", "ERROR")  # the table says what matters; no reconnect chatter
     try:
-        return asyncio.run(_run(args, picker_urls))
+        return asyncio.run(_run(args, settings, picker_urls))
     except KeyboardInterrupt:
         return EXIT_ALL_FRESH
 
 
-def apply_stack_defaults(args: argparse.Namespace, stack: StackInfo | None) -> list[str]:
-    """Fill in what the user did not give from the running stack; the picker URLs to scrape.
+def apply_stack_defaults(args: argparse.Namespace, stack: StackInfo | None
+                         ) -> tuple[NatsSettings, list[str]]:
+    """The NATS settings and the picker URLs to scrape, from the flags, else the running stack.
 
     Without ``--nats-url`` (or ``LIG_NATS_URL``) the stack's NATS and prefix are used, else the
     default NATS URL; without ``--picker-metrics``, the stack's pickers, else none.
     """
-    if args.nats_url is None:
-        args.nats_url = stack.nats_url if stack is not None else NatsSettings().url
-        if stack is not None and args.prefix == Subjects().prefix:
-            args.prefix = stack.prefix
-    if args.picker_metrics is not None:
-        return args.picker_metrics
-    return stack.picker_metrics if stack is not None else []
-
-
-async def _run(args: argparse.Namespace, picker_urls: list[str]) -> int:
     settings = settings_from_args(args)
+    explicit = nats_url_given(args) or bool(os.environ.get("LIG_NATS_URL"))
+    if stack is not None and not explicit:
+        settings = msgspec.structs.replace(
+            settings, url=stack.nats_url,
+            prefix=stack.prefix if settings.prefix == Subjects().prefix else settings.prefix)
+    if args.picker_metrics is not None:
+        return settings, args.picker_metrics
+    return settings, stack.picker_metrics if stack is not None else []
+
+
+async def _run(args: argparse.Namespace, settings: NatsSettings, picker_urls: list[str]) -> int:
     try:
         nc = await asyncio.wait_for(connect(settings, "lig-status"), args.timeout)
     except (TimeoutError, OSError) as exc:

@@ -25,8 +25,8 @@ from resilience.h2wire import PingProbe, ping_once
 from resilience.load import LoadRun, steady_load
 from resilience.report import Figure
 from resilience.stack import Picker, Target
+from services.picker.app import MAX_MESSAGE_BYTES
 from services.picker.http2_limits import MIB, Http2Limits
-from services.picker.main import MAX_MESSAGE_BYTES
 
 SCENARIOS = ("flood", "amplification", "buffering", "slow", "control", "http")
 PING_TARGET_S = 1.0

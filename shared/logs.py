@@ -7,6 +7,13 @@ import logging
 import os
 import sys
 import time
+from typing import Annotated, Literal
+
+from shared.host.settings import option
+
+# The ``log_level`` field of every service's settings.
+LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+                     option("log verbosity: DEBUG, INFO, WARNING or ERROR", parse=str.upper)]
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,18 +1,23 @@
-"""Connecting the services to NATS: flags and environment, credentials, reconnect forever."""
+"""Connecting the services to NATS: settings (flags and environment), credentials, reconnect
+forever, and a bounded close."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
-import os
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
 
 import msgspec
 import nats
 from nats.aio.client import Client
 
-from shared.replication import replica_count
+from shared.host.settings import add_flags, from_args, option
+from shared.replication import MAX_REPLICAS
+from shared.service import cancel_and_wait, finish_within
 from shared.subjects import DEFAULT_PREFIX
 
 log = logging.getLogger("lig.nats")
@@ -21,55 +26,44 @@ log = logging.getLogger("lig.nats")
 class NatsSettings(msgspec.Struct, frozen=True):
     """Where NATS is and how to authenticate; every field has a flag and an environment variable."""
 
-    url: str = "nats://127.0.0.1:4222"
-    prefix: str = DEFAULT_PREFIX
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    url: Annotated[str, option("NATS server URL(s), comma-separated",
+                               flag="--nats-url")] = "nats://127.0.0.1:4222"
+    prefix: Annotated[str, option("subject prefix; the KV bucket is <prefix>-registry",
+                                  min_length=1)] = DEFAULT_PREFIX
+    user: Annotated[str | None, option("NATS user name", flag="--nats-user")] = None
+    password: Annotated[str | None, option("NATS password", flag="--nats-password")] = None
+    token: Annotated[str | None, option("NATS token", flag="--nats-token")] = None
+    creds_file: Annotated[str | None, option("NATS credentials file", flag="--nats-creds")] = None
+    tls_ca: Annotated[str | None, option("CA bundle to verify the server",
+                                         flag="--nats-tls-ca")] = None
+    tls_cert: Annotated[str | None, option("client certificate for mutual TLS",
+                                           flag="--nats-tls-cert")] = None
+    tls_key: Annotated[str | None, option("client key for mutual TLS",
+                                          flag="--nats-tls-key")] = None
     # Copies of the JetStream state this service creates (bucket, streams); see shared.replication
-    replicas: int = 1
+    replicas: Annotated[int, option(
+        "JetStream replicas of the registry bucket and the recording stream: 1 for a single "
+        "server, 3 on a cluster; existing ones are updated to this count",
+        flag="--nats-replicas", ge=1, le=MAX_REPLICAS)] = 1
+
+
+_GROUP = "nats__"  # the flags' group (and argparse prefix) when used outside a service Struct
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the NATS flags every service shares (defaults from ``LIG_NATS_*`` variables)."""
-    env = os.environ.get
-    defaults = NatsSettings()  # an instance: msgspec's class attributes are field descriptors
-    group = parser.add_argument_group("NATS")
-    group.add_argument("--nats-url", default=env("LIG_NATS_URL", defaults.url),
-                       help="NATS server URL(s), comma-separated (env LIG_NATS_URL)")
-    group.add_argument("--prefix", default=env("LIG_PREFIX", DEFAULT_PREFIX),
-                       help="subject prefix; the KV bucket is <prefix>-registry (env LIG_PREFIX)")
-    group.add_argument("--nats-user", default=env("LIG_NATS_USER"), help="env LIG_NATS_USER")
-    group.add_argument("--nats-password", default=env("LIG_NATS_PASSWORD"),
-                       help="env LIG_NATS_PASSWORD")
-    group.add_argument("--nats-token", default=env("LIG_NATS_TOKEN"), help="env LIG_NATS_TOKEN")
-    group.add_argument("--nats-creds", default=env("LIG_NATS_CREDS"),
-                       help="NATS credentials file (env LIG_NATS_CREDS)")
-    group.add_argument("--nats-tls-ca", default=env("LIG_NATS_TLS_CA"),
-                       help="CA bundle to verify the server (env LIG_NATS_TLS_CA)")
-    group.add_argument("--nats-tls-cert", default=env("LIG_NATS_TLS_CERT"),
-                       help="client certificate for mutual TLS (env LIG_NATS_TLS_CERT)")
-    group.add_argument("--nats-tls-key", default=env("LIG_NATS_TLS_KEY"),
-                       help="client key for mutual TLS (env LIG_NATS_TLS_KEY)")
-    group.add_argument("--nats-replicas", type=replica_count,
-                       default=env("LIG_NATS_REPLICAS", str(defaults.replicas)),
-                       help="JetStream replicas of the registry bucket and the recording stream: "
-                            "1 for a single server, 3 on a cluster; existing ones are updated "
-                            "to this count (env LIG_NATS_REPLICAS)")
+    """Add the NATS flags alone (for commands that have no settings Struct, ``lig status``)."""
+    add_flags(parser, NatsSettings, _GROUP)
+
+
+def nats_url_given(args: argparse.Namespace) -> bool:
+    """True when ``--nats-url`` was on the command line (of :func:`add_nats_arguments`)."""
+    return getattr(args, _GROUP + "url", None) is not None
 
 
 def settings_from_args(args: argparse.Namespace) -> NatsSettings:
-    """Collect the flags added by :func:`add_nats_arguments`."""
-    return NatsSettings(
-        url=args.nats_url, prefix=args.prefix, user=args.nats_user, password=args.nats_password,
-        token=args.nats_token, creds_file=args.nats_creds, tls_ca=args.nats_tls_ca,
-        tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key,
-        replicas=args.nats_replicas,
-    )
+    """The settings of the flags added by :func:`add_nats_arguments` (then ``LIG_NATS_*``...)."""
+    settings: NatsSettings = from_args(NatsSettings, args, prefix=_GROUP)
+    return settings
 
 
 def _tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
@@ -123,3 +117,38 @@ async def connect(
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
     )
+
+
+@contextlib.asynccontextmanager
+async def connection(
+    settings: NatsSettings,
+    name: str,
+    stop: asyncio.Event,
+    *,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    drain: bool = False,
+    close_within: float = 1.0,
+) -> AsyncIterator[Client | None]:
+    """A connection for the block, or None when ``stop`` was set before NATS answered.
+
+    On the way out the connection is drained (``drain``: pending publishes go out, the
+    subscriptions end) or closed, within ``close_within`` seconds either way.
+    """
+    connecting = asyncio.create_task(connect(settings, name, on_reconnect=on_reconnect,
+                                             on_disconnect=on_disconnect))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not connecting.done():
+            await cancel_and_wait(connecting)  # nats-py's connect may swallow one cancel
+    if connecting.cancelled() or not connecting.done():
+        yield None
+        return
+    client = connecting.result()
+    try:
+        yield client
+    finally:
+        await finish_within(client.drain() if drain else client.close(), close_within)

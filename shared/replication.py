@@ -10,7 +10,6 @@ services say so loudly.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Any
 
@@ -20,17 +19,6 @@ from nats.js import JetStreamContext
 log = logging.getLogger("lig.nats")
 
 MAX_REPLICAS = 5  # JetStream's own limit
-
-
-def replica_count(text: str) -> int:
-    """argparse type of ``--nats-replicas``: an integer JetStream accepts (1..5)."""
-    try:
-        replicas = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= replicas <= MAX_REPLICAS:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_REPLICAS}, not {replicas}")
-    return replicas
 
 
 def cluster_size(server_info: dict[str, Any]) -> int:

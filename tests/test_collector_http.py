@@ -144,7 +144,7 @@ async def test_a_50_mb_page_is_reported_too_large_not_as_a_timeout(
     metrics = CollectorMetrics()
     # Announced sizes are refused at the default timeout; a chunked page must be read up to the
     # cap, which gets a timeout a loaded machine can meet.
-    default_timeout = CollectorSettings(NatsSettings(url="unused"), "test").scrape_timeout_s
+    default_timeout = CollectorSettings(NatsSettings(url="unused"), "test").timeout_s
     scraper = Scraper(2.0 if chunked else default_timeout,
                       "lig-collector/test", metrics)
     target = ScrapeTarget(pool="main", pod="huge", address=f"127.0.0.1:{server.port}",

@@ -214,7 +214,7 @@ def test_flag_defaults_and_validation() -> None:
     settings = settings_from(_parse_flags())
     assert (settings.interval_s, settings.metrics_port, settings.record_max_age_s,
             settings.heartbeat_s) == (0.05, 9091, 3600.0, 1.0)
-    assert settings.scrape_timeout_s == pytest.approx(0.04)
+    assert settings.timeout_s == pytest.approx(0.04)
     assert settings_from(_parse_flags("--interval", "1", "--scrape-timeout", "0.5")) \
         .scrape_timeout_s == 0.5
     for bad in (["--scrape-timeout", "0.06"], ["--interval", "0.001"], ["--heartbeat", "0"],

@@ -112,10 +112,10 @@ def test_environment_variables_are_read_by_the_command_they_are_given_to() -> No
             assert f"env {variable}" in help_text, f"{name}: `lig {command}` ignores {variable}"
         args = parsed(name)
         if "LIG_NATS_URL" in environment:
-            assert args.nats_url == environment["LIG_NATS_URL"] == "nats://nats:4222"
-            assert args.nats_replicas == 1  # compose runs one NATS node
+            assert args.nats.url == environment["LIG_NATS_URL"] == "nats://nats:4222"
+            assert args.nats.replicas == 1  # compose runs one NATS node
         if command == "picker":  # one picker serves every pool: no LIG_POOL, no --pool
-            assert "LIG_POOL" not in environment and args.pools is None
+            assert "LIG_POOL" not in environment and args.pools == []
 
 
 def test_services_use_the_ports_and_pool_of_lig_up(up_plan: StackPlan) -> None:
@@ -184,7 +184,7 @@ def test_registry_reads_the_example_models_with_endpoints_at_the_simulators() ->
     sim = parsed("sim")
     address = SERVICES["sim"]["networks"]["default"]["ipv4_address"]
     pool = stack_config.choose_pool(config, None)
-    assert parsed("picker").pools is None  # every pool of the registry, this one included
+    assert parsed("picker").pools == []  # every pool of the registry, this one included
     assert [e.hostport for e in stack_config.pool_endpoints(config, pool)] == [
         f"{address}:{port}" for port in range(sim.base_port, sim.base_port + sim.pods)]
     subnet = COMPOSE["networks"]["default"]["ipam"]["config"][0]["subnet"]

@@ -23,6 +23,7 @@ from lig.up import make_plan
 from services.collector.recording import ensure_stream
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
+from shared.host.errors import ConfigError
 from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.replication import cluster_size, replication_warning, warn_about_replication
 from shared.subjects import Subjects
@@ -75,11 +76,11 @@ def test_replicas_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LIG_NATS_REPLICAS", "3")
     assert settings_from_args(parse([])).replicas == 3
     for bad in ("0", "6", "three"):
-        with pytest.raises(SystemExit):
-            parse(["--nats-replicas", bad])
+        with pytest.raises(ConfigError, match="--nats-replicas"):
+            settings_from_args(parse(["--nats-replicas", bad]))
     monkeypatch.setenv("LIG_NATS_REPLICAS", "0")
-    with pytest.raises(SystemExit):
-        parse([])
+    with pytest.raises(ConfigError, match="LIG_NATS_REPLICAS"):
+        settings_from_args(parse([]))
 
 
 def test_replication_warning_from_server_info() -> None:

@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from services.picker.app import EXIT_EXT_PROC_LOST, _BuiltinExtProc, _until_stopped_or_lost
 from services.picker.ext_proc import Processor
 from services.picker.http2 import END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame
-from services.picker.main import EXIT_EXT_PROC_LOST, _BuiltinExtProc, _until_stopped_or_lost
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.routing import Router
@@ -120,7 +120,8 @@ def test_a_port_in_use_is_one_line_and_exit_code_1(server: str, busy: str) -> No
             capture_output=True, text=True, timeout=30)
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 1, output
-    assert output.splitlines() == [f"picker: cannot listen on 127.0.0.1:{taken}: "
+    assert output.splitlines() == [f"lig picker: cannot listen on 127.0.0.1:{taken} "
+                                   f"({'ext_proc' if busy == 'grpc' else busy}): "
                                    "[Errno 98] Address already in use"], output
 
 

@@ -11,8 +11,9 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.picker.app import build_gateway, decision_publisher
 from services.picker.decision_stream import DecisionSink
-from services.picker.main import build_gateway, configure, decision_publisher
+from services.picker.main import configure, settings_from
 from services.picker.observability import PickerMetrics
 from services.picker.peer_decisions import MIN_SILENCE, SILENCE_HEARTBEATS
 from services.picker.pools import Gateway
@@ -260,12 +261,11 @@ def test_shared_decisions_is_on_by_default_and_turned_off_by_flag_or_env(
         monkeypatch.setenv("LIG_SHARED_DECISIONS", env)
     parser = argparse.ArgumentParser()
     configure(parser)
-    args = parser.parse_args(argv)
+    settings = settings_from(parser.parse_args([*argv, "--pool", POOL]))
     metrics = PickerMetrics(CollectorRegistry())
-    publisher = decision_publisher(args, Subjects(), metrics)
+    publisher = decision_publisher(settings, Subjects(), metrics)
     assert (publisher is not None) is shared
-    args.pools = [POOL]
-    gw = build_gateway(args, metrics, publisher)
+    gw = build_gateway(settings, metrics, publisher)
     assert gw.on_decision is publisher
     if publisher is not None:
         assert gw.peers.picker_id == publisher.picker_id != ""

@@ -7,18 +7,25 @@ from pathlib import Path
 
 import pytest
 
-from services.picker.tls import TlsFiles, add_tls_arguments, ssl_context, tls_from_args
+from services.picker.main import configure, settings_from
+from services.picker.tls import TlsFiles, ssl_context
+from shared.host.errors import ConfigError
 from tests.support.certs import make_certificates
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_tls_arguments(parser)
+    configure(parser)
     return parser.parse_args(argv)
 
 
+def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+    return settings_from(args).tls
+
+
 def test_no_flags_means_plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("LIG_PICKER_TLS_CERT", "LIG_PICKER_TLS_KEY", "LIG_PICKER_TLS_CLIENT_CA"):
+    for name in ("LIG_PICKER_TLS_CERT", "LIG_PICKER_TLS_KEY", "LIG_PICKER_TLS_CLIENT_CA",
+                 "LIG_TLS_CERT", "LIG_TLS_KEY", "LIG_TLS_CLIENT_CA"):
         monkeypatch.delenv(name, raising=False)
     assert tls_from_args(parse()) is None
 
@@ -41,7 +48,7 @@ def test_wrong_flags_exit_with_one_line(tmp_path: Path, case: str) -> None:
         "unreadable": ("--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", certs.server_key),
         "not-a-certificate": ("--tls-cert", str(garbage), "--tls-key", certs.server_key),
     }[case]
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(ConfigError) as error:
         tls_from_args(parse(*argv))
-    message = str(exit_.value)
-    assert message.startswith("picker: ") and "\n" not in message
+    message = str(error.value)
+    assert "TLS" in message and "\n" not in message

@@ -166,7 +166,7 @@ def test_registry_configmap_is_the_example_pointing_at_the_simulator_service(
     sim = parsed("vllm-sim")
     service = find("Service", "vllm-sim")["spec"]
     pool = stack_config.choose_pool(config, None)
-    assert parsed("picker").pools is None  # every pool of the registry, this one included
+    assert parsed("picker").pools == []  # every pool of the registry, this one included
     sim_ports = list(range(sim.base_port, sim.base_port + sim.pods))
     assert [e.hostport for e in stack_config.pool_endpoints(config, pool)] == [
         f"{service['clusterIP']}:{port}" for port in sim_ports]
@@ -178,7 +178,7 @@ def test_nats_url_names_the_nats_service() -> None:
     service = find("Service", "nats")["spec"]
     client_port = next(p["port"] for p in service["ports"] if p["name"] == "client")
     for name in ("registry", "collector", "picker"):
-        assert parsed(name).nats_url == f"nats://nats:{client_port}"
+        assert parsed(name).nats.url == f"nats://nats:{client_port}"
 
 
 def test_official_images_are_the_versions_the_tests_run() -> None:
@@ -262,13 +262,13 @@ def test_services_keep_three_replicas_and_use_their_own_user_over_tls() -> None:
         assert generated[f"lig-nats-{name}"]["envs"] == [f"nats-secrets/{name}.env"]
         args = parsed(name)
         mount = next(m for m in spec["volumeMounts"] if m["name"] == "nats-ca")
-        assert args.nats_tls_ca == f"{mount['mountPath']}/ca.crt"
+        assert args.nats.tls_ca == f"{mount['mountPath']}/ca.crt"
         volume = next(v for v in pod_spec(name)["volumes"] if v["name"] == "nats-ca")
         # The services get the CA only, never the servers' key.
         assert volume["secret"] == {"secretName": "lig-nats-tls",
                                     "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     nats_replicas = find("StatefulSet", "nats")["spec"]["replicas"]
     for name in ("registry", "collector"):  # the services that create JetStream state
-        assert parsed(name).nats_replicas == nats_replicas
+        assert parsed(name).nats.replicas == nats_replicas
     # The users the generated env files name are the ones nats-config writes.
     assert set(SERVICES) >= {"registry", "collector", "picker", "status"}

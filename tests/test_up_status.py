@@ -203,17 +203,19 @@ def status_args(*argv: str) -> argparse.Namespace:
 def test_flags_win_over_the_running_stack_which_wins_over_defaults() -> None:
     stack = StackInfo("nats://127.0.0.1:5555", "other", POOL, "http://127.0.0.1:1",
                       ["http://127.0.0.1:9/metrics"], pid=os.getpid())
-    args = status_args()
-    assert apply_stack_defaults(args, stack) == ["http://127.0.0.1:9/metrics"]
-    assert (args.nats_url, args.prefix) == ("nats://127.0.0.1:5555", "other")
+    settings, urls = apply_stack_defaults(status_args(), stack)
+    assert urls == ["http://127.0.0.1:9/metrics"]
+    assert (settings.url, settings.prefix) == ("nats://127.0.0.1:5555", "other")
 
-    args = status_args("--nats-url", "nats://elsewhere:4222", "--picker-metrics", "http://x/m")
-    assert apply_stack_defaults(args, stack) == ["http://x/m"]
-    assert (args.nats_url, args.prefix) == ("nats://elsewhere:4222", "lig")
+    settings, urls = apply_stack_defaults(
+        status_args("--nats-url", "nats://elsewhere:4222", "--picker-metrics", "http://x/m"),
+        stack)
+    assert urls == ["http://x/m"]
+    assert (settings.url, settings.prefix) == ("nats://elsewhere:4222", "lig")
 
-    args = status_args()
-    assert apply_stack_defaults(args, None) == []
-    assert args.nats_url == "nats://127.0.0.1:4222"
+    settings, urls = apply_stack_defaults(status_args(), None)
+    assert urls == []
+    assert settings.url == "nats://127.0.0.1:4222"
 
 
 def test_unreachable_nats_exits_2() -> None:

@@ -13,12 +13,13 @@ import gc
 import logging
 import os
 import socket
+from typing import Annotated
 
 import msgspec
 from nats.aio.client import Client
 
 from services.collector.membership import Membership
-from services.collector.observability import CollectorMetrics, serve_metrics
+from services.collector.observability import CollectorMetrics
 from services.collector.ownership import owned_by
 from services.collector.pod_loop import Cadence, run_pod_loop
 from services.collector.publisher import SnapshotPublisher
@@ -26,11 +27,14 @@ from services.collector.recording import keep_stream
 from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import Scraper
 from services.collector.targets import ScrapeTarget, targets_from_view
-from shared.logs import add_logging_arguments, setup_logging
-from shared.nats_connection import NatsSettings, add_nats_arguments, connect, settings_from_args
+from shared import ports
+from shared.host.lifespan import Lifespan
+from shared.host.settings import add_flags, from_args, option
+from shared.logs import LogLevel, setup_logging
+from shared.nats_connection import NatsSettings, connection
 from shared.registry_view import RegistryView, RegistryWatcher
 from shared.replication import warn_about_replication
-from shared.service import cancel_and_wait, finish_within, run_service
+from shared.service import run_service
 from shared.subjects import Subjects
 
 log = logging.getLogger("lig.collector")
@@ -39,72 +43,67 @@ MIN_INTERVAL_S = 0.005
 SHUTDOWN_TIMEOUT_S = 1.0
 
 
-class CollectorSettings(msgspec.Struct, frozen=True):
-    """Everything ``lig collector`` is configured with."""
+def _default_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
 
-    nats: NatsSettings
-    collector_id: str
-    interval_s: float = 0.05
-    scrape_timeout_s: float = 0.04
-    max_backoff_s: float = 1.0
-    heartbeat_s: float = 1.0
-    record_max_age_s: float = 3600.0
-    host: str = "0.0.0.0"
-    metrics_port: int = 9091
+
+class CollectorSettings(msgspec.Struct, frozen=True):
+    """Everything ``lig collector`` is configured with: one field per flag."""
+
+    nats: NatsSettings = NatsSettings()
+    collector_id: Annotated[str, option("this collector's name among its peers", min_length=1)] \
+        = msgspec.field(default_factory=_default_id)
+    interval_s: Annotated[float, option("seconds between two scrapes of a pod",
+                                        flag="--interval", ge=MIN_INTERVAL_S)] = 0.05
+    scrape_timeout_s: Annotated[float | None, option(
+        "seconds one scrape may take; must be below --interval (default: 0.8 x interval)",
+        flag="--scrape-timeout", gt=0)] = None
+    max_backoff_s: Annotated[float, option(
+        "longest wait, in seconds, between scrapes of a failing pod",
+        flag="--max-backoff", gt=0)] = 1.0
+    heartbeat_s: Annotated[float, option(
+        "seconds between heartbeats; a dead collector's pods move to the others within two "
+        "heartbeats", flag="--heartbeat", gt=0)] = 1.0
+    record_max_age_s: Annotated[float, option(
+        "seconds of snapshots the LIG_METRICS stream keeps; 0 disables recording",
+        flag="--record-max-age", ge=0)] = 3600.0
+    host: Annotated[str, option("address the metrics endpoint listens on")] = "0.0.0.0"
+    metrics_port: Annotated[int, option(
+        "port of this collector's own Prometheus metrics; 0 disables", ge=0)] \
+        = ports.COLLECTOR_METRICS
+    log_level: LogLevel = "INFO"
+
+    def __post_init__(self) -> None:
+        # The bounds of single fields are their annotations; this checks the fields together.
+        if not 0 < self.timeout_s < self.interval_s:
+            raise ValueError("--scrape-timeout (env LIG_SCRAPE_TIMEOUT) must be above 0 and "
+                             "below --interval (env LIG_INTERVAL)")
+
+    @property
+    def timeout_s(self) -> float:
+        """The scrape timeout: ``--scrape-timeout``, else 0.8 x ``--interval``."""
+        return self.scrape_timeout_s if self.scrape_timeout_s is not None \
+            else 0.8 * self.interval_s
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the collector's flags."""
-    parser.add_argument("--interval", type=float, default=0.05,
-                        help="seconds between two scrapes of a pod")
-    parser.add_argument("--scrape-timeout", type=float, default=None,
-                        help="seconds one scrape may take; must be below --interval "
-                             "(default: 0.8 x interval)")
-    parser.add_argument("--max-backoff", type=float, default=1.0,
-                        help="longest wait, in seconds, between scrapes of a failing pod")
-    parser.add_argument("--heartbeat", type=float, default=1.0,
-                        help="seconds between heartbeats; a dead collector's pods move to the "
-                             "others within two heartbeats")
-    parser.add_argument("--record-max-age", type=float, default=3600.0,
-                        help="seconds of snapshots the LIG_METRICS stream keeps; 0 disables "
-                             "recording")
-    parser.add_argument("--collector-id", default=f"{socket.gethostname()}-{os.getpid()}",
-                        help="this collector's name among its peers")
-    parser.add_argument("--host", default=os.environ.get("LIG_HOST", "0.0.0.0"),
-                        help="address the metrics endpoint listens on (env LIG_HOST)")
-    parser.add_argument("--metrics-port", type=int, default=9091,
-                        help="port of this collector's own Prometheus metrics; 0 disables")
-    add_nats_arguments(parser)
-    add_logging_arguments(parser)
+    """Add the collector's flags (one per :class:`CollectorSettings` field)."""
+    add_flags(parser, CollectorSettings)
 
 
 def settings_from(args: argparse.Namespace) -> CollectorSettings:
-    """Validated settings from parsed flags; ValueError names the bad flag."""
-    if args.interval < MIN_INTERVAL_S:
-        raise ValueError(f"--interval must be at least {MIN_INTERVAL_S} s")
-    timeout = args.scrape_timeout if args.scrape_timeout is not None else 0.8 * args.interval
-    if not 0 < timeout < args.interval:
-        raise ValueError("--scrape-timeout must be above 0 and below --interval")
-    if args.heartbeat <= 0 or args.max_backoff <= 0 or args.record_max_age < 0:
-        raise ValueError("--heartbeat and --max-backoff must be > 0, --record-max-age >= 0")
-    return CollectorSettings(
-        nats=settings_from_args(args), collector_id=args.collector_id,
-        interval_s=args.interval, scrape_timeout_s=timeout, max_backoff_s=args.max_backoff,
-        heartbeat_s=args.heartbeat, record_max_age_s=args.record_max_age, host=args.host,
-        metrics_port=args.metrics_port,
-    )
+    """Validated settings: flags, else ``LIG_*`` variables, else defaults; ConfigError (a
+    ValueError) names the bad flag."""
+    settings: CollectorSettings = from_args(CollectorSettings, args)
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the collector until SIGTERM/SIGINT."""
-    setup_logging("collector", args.log_level)
+    settings = settings_from(args)
+    setup_logging("collector", settings.log_level)
     # httpx logs every request at INFO: 20 lines a second per pod.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        settings = settings_from(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
     # Everything imported so far lives as long as the process: keep the garbage collector from
     # rescanning it. A full collection over it took ~50 ms, which shows up as latency spikes.
     gc.freeze()
@@ -119,7 +118,7 @@ class Collector:
         self.subjects = Subjects(settings.nats.prefix)
         self.metrics = CollectorMetrics()
         self.view = RegistryView()
-        self.scraper = Scraper(settings.scrape_timeout_s, f"lig-collector/{settings.collector_id}",
+        self.scraper = Scraper(settings.timeout_s, f"lig-collector/{settings.collector_id}",
                                self.metrics)
         self.cadence = Cadence(settings.interval_s, settings.max_backoff_s)
         self.scrape_supervisor = ScrapeSupervisor(self._scrape_loop, stopped=self.scraper.close)
@@ -134,27 +133,21 @@ class Collector:
     async def run(self, stop: asyncio.Event) -> int:
         """Serve metrics, connect, work until ``stop`` is set, then leave cleanly."""
         settings = self.settings
-        stop_metrics_server = None
-        if settings.metrics_port:
-            try:
-                stop_metrics_server = serve_metrics(self.metrics, settings.host,
-                                                    settings.metrics_port)
-            except OSError as exc:
-                log.error("cannot serve metrics on %s:%d: %s", settings.host,
-                          settings.metrics_port, exc)
-                return 1
-        try:
-            nc = await self._connect(stop)
+        async with Lifespan() as life:
+            life.on_close(self.scraper.aclose, within=SHUTDOWN_TIMEOUT_S)
+            life.metrics_server(settings.host, settings.metrics_port, self.metrics.prometheus)
+            # Drained on the way out: the last snapshots and the goodbye heartbeat go out.
+            nc = await life.enter(connection(
+                settings.nats, f"lig-collector {settings.collector_id}", stop,
+                on_reconnect=self._reconnected, on_disconnect=self._disconnected,
+                drain=True, close_within=SHUTDOWN_TIMEOUT_S))
             if nc is not None:
-                await self._work(nc, stop)
-        finally:
-            await self.scraper.aclose()
-            if stop_metrics_server is not None:
-                stop_metrics_server()
-            log.info("collector %s stopped", settings.collector_id)
+                self._start(nc, stop, life)
+                await stop.wait()
+        log.info("collector %s stopped", settings.collector_id)
         return 0
 
-    async def _work(self, nc: Client, stop: asyncio.Event) -> None:
+    def _start(self, nc: Client, stop: asyncio.Event, life: Lifespan) -> None:
         settings = self.settings
         self._nc, self._stop = nc, stop
         warn_about_replication(nc, settings.nats.replicas, "collector")
@@ -164,23 +157,16 @@ class Collector:
         self.watcher = RegistryWatcher(
             nc.jetstream(), self.subjects.registry_bucket, self.view, on_change=self.rebalance,
             on_undecodable=lambda key, exc: self.metrics.undecodable.labels("registry").inc())
+        life.callback(self._stop_recording)
         self._start_recording(nc)
-        tasks = [asyncio.create_task(self.membership.run(stop)),
-                 asyncio.create_task(self.watcher.run(stop))]
+        # Membership announces that this collector leaves, so peers take over at once.
+        life.task(self.membership.run(stop), finish=SHUTDOWN_TIMEOUT_S)
+        life.task(self.watcher.run(stop), finish=SHUTDOWN_TIMEOUT_S)
+        life.on_close(self.scrape_supervisor.stop, within=SHUTDOWN_TIMEOUT_S)
         log.info("collector %s ready: scraping every %g s (timeout %g s), metrics on %s, "
-                 "nats %s", settings.collector_id, settings.interval_s, settings.scrape_timeout_s,
+                 "nats %s", settings.collector_id, settings.interval_s, settings.timeout_s,
                  f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else "off",
                  settings.nats.url)
-        try:
-            await stop.wait()
-        finally:
-            await self.scrape_supervisor.stop()
-            # Membership announces that this collector leaves, so peers take over at once.
-            await finish_within(asyncio.gather(*tasks, return_exceptions=True),
-                                SHUTDOWN_TIMEOUT_S)
-            if self._recording is not None:
-                self._recording.cancel()
-            await finish_within(nc.drain(), SHUTDOWN_TIMEOUT_S)
 
     def rebalance(self) -> None:
         """Scrape exactly the pods this collector owns now."""
@@ -203,19 +189,6 @@ class Collector:
         assert self.publisher is not None
         await run_pod_loop(target, self.scraper, self.publisher, self.cadence)
 
-    async def _connect(self, stop: asyncio.Event) -> Client | None:
-        """Connect to NATS (retrying forever), unless ``stop`` comes first."""
-        connecting = asyncio.create_task(connect(
-            self.settings.nats, f"lig-collector {self.settings.collector_id}",
-            on_reconnect=self._reconnected, on_disconnect=self._disconnected))
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not connecting.done():
-            await cancel_and_wait(connecting)  # nats-py's connect may swallow one cancel
-            return None
-        return connecting.result()
-
     def _start_recording(self, nc: Client) -> None:
         if self.settings.record_max_age_s <= 0:
             return
@@ -224,6 +197,10 @@ class Collector:
         self._recording = asyncio.create_task(keep_stream(
             nc.jetstream(), self.subjects, self.settings.record_max_age_s, self._stop,
             replicas=self.settings.nats.replicas))
+
+    def _stop_recording(self) -> None:
+        if self._recording is not None:
+            self._recording.cancel()
 
     async def _reconnected(self) -> None:
         if self.watcher is not None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PARSE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
@@ -41,15 +39,3 @@ class CollectorMetrics:
         self.undecodable = Counter("lig_collector_undecodable_messages",
                                    "Registry entries or heartbeats skipped as undecodable",
                                    ["source"], registry=r)
-
-
-def serve_metrics(metrics: CollectorMetrics, host: str, port: int) -> Callable[[], None]:
-    """Serve ``/metrics`` on ``host:port`` from a background thread; returns a shutdown function."""
-    server, thread = start_http_server(port, addr=host, registry=metrics.prometheus)
-
-    def shutdown() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=1)
-
-    return shutdown

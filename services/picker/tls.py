@@ -5,13 +5,14 @@ and probes and Envoy's health checks reach it without certificates.
 
 from __future__ import annotations
 
-import argparse
 import os
 import ssl
 from pathlib import Path
 
 import grpc
 import msgspec
+
+from shared.host.errors import ConfigError
 
 
 class TlsFiles(msgspec.Struct, frozen=True):
@@ -22,31 +23,12 @@ class TlsFiles(msgspec.Struct, frozen=True):
     client_ca: str | None = None
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--tls-*`` flags (and their environment variables)."""
-    env = os.environ.get
-    parser.add_argument("--tls-cert", default=env("LIG_PICKER_TLS_CERT"),
-                        help="PEM certificate chain: serve ext_proc over TLS (with --tls-key) "
-                        "(env LIG_PICKER_TLS_CERT)")
-    parser.add_argument("--tls-key", default=env("LIG_PICKER_TLS_KEY"),
-                        help="PEM private key of --tls-cert (env LIG_PICKER_TLS_KEY)")
-    parser.add_argument("--tls-client-ca", default=env("LIG_PICKER_TLS_CLIENT_CA"),
-                        help="PEM CA bundle: require client certificates it signed, i.e. "
-                        "mutual TLS (env LIG_PICKER_TLS_CLIENT_CA)")
-
-
-def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
-    """The TLS files the flags name (None: plaintext); exits with one line when they are wrong."""
-    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
-        return None
-    if not (args.tls_cert and args.tls_key):
-        raise SystemExit("picker: TLS needs both --tls-cert and --tls-key")
-    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+def check_tls_files(files: TlsFiles) -> None:
+    """Fail at start, with the reason, on an unreadable or unusable certificate or key."""
     for path in (files.cert, files.key, files.client_ca):
         if path is not None and not os.access(path, os.R_OK):
-            raise SystemExit(f"picker: cannot read TLS file {path}")
-    ssl_context(files)  # fail at start, with the reason, on a bad certificate or key
-    return files
+            raise ConfigError(f"cannot read TLS file {path}")
+    ssl_context(files)
 
 
 def ssl_context(files: TlsFiles) -> ssl.SSLContext:
@@ -60,7 +42,7 @@ def ssl_context(files: TlsFiles) -> ssl.SSLContext:
             context.load_verify_locations(files.client_ca)
             context.verify_mode = ssl.CERT_REQUIRED
     except (ssl.SSLError, OSError) as exc:
-        raise SystemExit(f"picker: unusable TLS files ({exc})") from None
+        raise ConfigError(f"unusable TLS files ({exc})") from None
     return context
 
 

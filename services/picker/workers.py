@@ -4,13 +4,14 @@ The kernel spreads *connections* over the workers (each Envoy worker thread hold
 HTTP/2 connection to a picker), so N workers pay off with N or more Envoy threads or replicas.
 Each worker is a whole picker (NATS, state, health); this supervisor only starts them, restarts
 one that dies, serves their summed Prometheus metrics (prometheus-client multiprocess mode) and
-stops them all within ~2 s of SIGTERM.
+stops them all once they have drained (``--drain-delay``) after SIGTERM, killing a worker only
+when it overstays that by the picker's bounded stop margin.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -21,32 +22,40 @@ import threading
 import time
 from multiprocessing.process import BaseProcess
 
+from prometheus_client import CollectorRegistry
+
+from services.picker.app import serve, stop_timeout, tune_process
+from services.picker.settings import PickerSettings
+from shared.host.errors import ServiceError
+from shared.host.metrics_http import MetricsServer
+from shared.logs import setup_logging
+from shared.service import run_service
+
 log = logging.getLogger("lig.picker.workers")
 
 RESTART_DELAY = 1.0  # seconds before a dead worker is replaced (no tight crash loop)
-STOP_TIMEOUT = 3.0  # seconds the workers get after SIGTERM (drain delay + grace) before SIGKILL
 
 
-def _worker(args: argparse.Namespace) -> None:
+def _worker(settings: PickerSettings) -> None:
     """Entry point of one worker process (spawned: a fresh interpreter)."""
-    from prometheus_client import CollectorRegistry
-
-    from services.picker.main import serve
-    from shared.logs import setup_logging
-    from shared.service import run_service
-
-    setup_logging("picker", args.log_level)
+    setup_logging("picker", settings.log_level)
+    tune_process()
+    try:
+        code = run_service(lambda stop: serve(settings, stop, CollectorRegistry(), None,
+                                              reuse_port=True, on_started=gc.freeze))
+    except ServiceError as error:
+        log.error("picker worker: %s", error)
+        code = error.exit_code
     # The exit code says why a worker ended (the supervisor logs it and restarts the worker).
-    raise SystemExit(run_service(
-        lambda stop: serve(args, stop, CollectorRegistry(), None, reuse_port=True)))
+    raise SystemExit(code)
 
 
-def supervise(args: argparse.Namespace) -> int:
-    """Run ``args.workers`` pickers until SIGTERM/SIGINT; returns the exit code."""
+def supervise(settings: PickerSettings) -> int:
+    """Run ``settings.workers`` pickers until SIGTERM/SIGINT; returns the exit code."""
     metrics_dir = tempfile.mkdtemp(prefix="lig-picker-metrics-")
     # Set before any worker starts: prometheus-client reads it when a worker imports it.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+    from prometheus_client import multiprocess
 
     stopping = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
@@ -54,20 +63,24 @@ def supervise(args: argparse.Namespace) -> int:
     context = multiprocessing.get_context("spawn")
 
     def spawn() -> BaseProcess:
-        process = context.Process(target=_worker, args=(args,), name="lig-picker-worker")
+        process = context.Process(target=_worker, args=(settings,), name="lig-picker-worker")
         process.start()
         return process
 
-    workers = [spawn() for _ in range(args.workers)]
-    http_server = None
-    if args.metrics_port:
+    metrics_server = None
+    if settings.metrics_port:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=metrics_dir)
-        http_server, _ = start_http_server(args.metrics_port, args.host, registry)
+        try:
+            metrics_server = MetricsServer.start(settings.host, settings.metrics_port, registry)
+        except ServiceError:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            raise
+    workers = [spawn() for _ in range(settings.workers)]
     log.info("picker supervisor: %d workers (pids %s) on ports %d/%d, metrics on %s",
-             len(workers), ", ".join(str(w.pid) for w in workers), args.grpc_port,
-             args.health_port, f"{args.host}:{args.metrics_port}" if args.metrics_port
-             else "(off)")
+             len(workers), ", ".join(str(w.pid) for w in workers), settings.grpc_port,
+             settings.health_port, f"{settings.host}:{settings.metrics_port}"
+             if settings.metrics_port else "(off)")
     try:
         while not stopping.wait(0.2):
             for index, worker in enumerate(workers):
@@ -80,19 +93,20 @@ def supervise(args: argparse.Namespace) -> int:
                     break
                 workers[index] = spawn()
     finally:
-        _stop(workers)
-        if http_server is not None:
-            http_server.shutdown()
+        _stop(workers, stop_timeout(settings))
+        if metrics_server is not None:
+            metrics_server.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 
-def _stop(workers: list[BaseProcess]) -> None:
+def _stop(workers: list[BaseProcess], timeout: float) -> None:
+    """SIGTERM every worker; SIGKILL one still running ``timeout`` seconds later."""
     for worker in workers:
         if worker.is_alive() and worker.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT
+    deadline = time.monotonic() + timeout
     for worker in workers:
         worker.join(max(0.0, deadline - time.monotonic()))
         if worker.is_alive():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+from typing import Any
 
 import pytest
 
@@ -26,12 +27,23 @@ def lig_parser(command: str, environment: dict[str, str] | None = None) -> argpa
 
 
 def parse_command(argv: list[str], environment: dict[str, str] | None = None
-                  ) -> tuple[str, argparse.Namespace]:
-    """``(subcommand, namespace)`` of a ``lig`` command line, parsed by that command's parser."""
+                  ) -> tuple[str, Any]:
+    """``(subcommand, configuration)`` of a ``lig`` command line, parsed by that command's
+    parser: a service's settings Struct (flags, then ``environment``, then defaults), else
+    the command's ``argparse`` namespace."""
     command, *flags = argv
     assert command in COMMANDS, f"{command!r} is not a lig command"
     parser = lig_parser(command, environment)
     try:
-        return command, parser.parse_args(flags)
+        args = parser.parse_args(flags)
     except (argparse.ArgumentError, SystemExit) as exc:
         raise AssertionError(f"`lig {' '.join(argv)}` does not parse: {exc}") from exc
+    module = importlib.import_module(COMMANDS[command][0])
+    if not hasattr(module, "settings_from"):
+        return command, args
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("LIG_")]:
+            patch.delenv(name)
+        for name, value in (environment or {}).items():
+            patch.setenv(name, value)
+        return command, module.settings_from(args)
