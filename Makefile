@@ -18,14 +18,17 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 # The inner loop: unit tests only, no NATS, Envoy, subprocess or socket (tests/support/process_marker.py).
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not process"
 
+# ruff, then mypy over the packages listed in pyproject.toml's [tool.mypy].
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Every speed benchmark in bench/, one after the other (several minutes; see bench/README.md).
 bench: $(STAMP)
@@ -40,4 +43,4 @@ chaos: $(STAMP)
 	$(BIN)/python -m resilience chaos $(ARGS)
 
 clean:
-	rm -rf $(VENV) .lig .pytest_cache build *.egg-info
+	rm -rf $(VENV) .lig .pytest_cache .mypy_cache build *.egg-info

@@ -31,12 +31,15 @@ import statistics
 import sys
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 import uvloop
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from shared.nats_connection import NatsSettings, connect
 from shared.schemas import (
@@ -63,7 +66,9 @@ TARGET_P99_MS = 5.0
 
 def _serve_pages(sockets: list[socket.socket], response: bytes) -> None:
     class Pod(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # typeshed keeps BaseProtocol's BaseTransport here, but a stream protocol is always
+        # given a Transport (uvloop's is no subclass of asyncio.Transport: no isinstance).
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.transport = transport
             self.buffer = b""
 
@@ -71,7 +76,7 @@ def _serve_pages(sockets: list[socket.socket], response: bytes) -> None:
             self.buffer += data
             while (end := self.buffer.find(b"\r\n\r\n")) >= 0:  # one response per request
                 self.buffer = self.buffer[end + 4:]
-                self.transport.write(response)  # type: ignore[attr-defined]
+                self.transport.write(response)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -82,12 +87,12 @@ def _serve_pages(sockets: list[socket.socket], response: bytes) -> None:
     uvloop.run(main())
 
 
-def start_pods(count: int) -> tuple[multiprocessing.Process, list[int]]:
+def start_pods(count: int) -> tuple[BaseProcess, list[int]]:
     """A page-server process with ``count`` listening ports."""
     page = PAGE.read_bytes()
     response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
                 b"Content-Length: %d\r\n\r\n" % len(page)) + page
-    sockets = []
+    sockets: list[socket.socket] = []
     for _ in range(count):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -112,7 +117,8 @@ def cpu_seconds(pid: int) -> float:
 
 # --- baseline: the obvious httpx scraper -----------------------------------------------------
 
-def _baseline(ports: list[int], seconds: float, out: multiprocessing.Queue) -> None:
+def _baseline(ports: list[int], seconds: float,
+              out: multiprocessing.Queue[tuple[float, float]]) -> None:
     async def main() -> None:
         async with httpx.AsyncClient() as client:
             deadline = time.monotonic() + seconds
@@ -138,7 +144,7 @@ def _baseline(ports: list[int], seconds: float, out: multiprocessing.Queue) -> N
 
 def measure_baseline(ports: list[int], seconds: float) -> tuple[float, float]:
     """(GETs per second, CPU seconds per GET) of the naive scraper, in its own process."""
-    out: multiprocessing.Queue = multiprocessing.get_context("fork").Queue()
+    out: multiprocessing.Queue[tuple[float, float]] = multiprocessing.get_context("fork").Queue()
     process = multiprocessing.get_context("fork").Process(
         target=_baseline, args=(ports, seconds, out))
     process.start()
@@ -155,7 +161,7 @@ class Receiver:
     def __init__(self) -> None:
         self.arrivals: list[tuple[float, bool, float, float]] = []  # (mono, ok, from end, start)
 
-    async def on_message(self, msg) -> None:  # type: ignore[no-untyped-def]
+    async def on_message(self, msg: Msg) -> None:
         now_ns = time.time_ns()
         snapshot = decode(msg.data, PodMetrics)
         end_ns = snapshot.scrape_time_ns + snapshot.scrape_duration_s * 1e9
@@ -166,7 +172,7 @@ class Receiver:
         return [a for a in self.arrivals if start <= a[0] < end]
 
 
-async def set_pods(kv, ports: list[int]) -> None:  # type: ignore[no-untyped-def]
+async def set_pods(kv: KeyValue, ports: list[int]) -> None:
     endpoints = tuple(Endpoint(f"pod-{i}", "127.0.0.1", port) for i, port in enumerate(ports))
     await kv.put(pool_key("bench"), encode(InferencePool(name="bench", target_port=8000)))
     await kv.put(endpoints_key("bench"), encode(EndpointSet(pool="bench", endpoints=endpoints)))

@@ -108,8 +108,9 @@ def hot_path(module: ModuleType, calls: int, repeats: int) -> float:
                               (window - 65_535).to_bytes(4, "big")))
         encoder = hpack.Encoder()
         encoder.header_table_size = 0
-        fields = [(":method", "POST"), (":scheme", "http"), (":path", PATH),
-                  (":authority", "picker"), ("content-type", "application/grpc")]
+        fields: list[tuple[str, str | bytes]] = [
+            (":method", "POST"), (":scheme", "http"), (":path", PATH),
+            (":authority", "picker"), ("content-type", "application/grpc")]
         message = grpc_message(b"m" * 300)
         # The first block carries the table size update; every later one is the same bytes.
         conn.data_received(new_http2.frame(new_http2.HEADERS, new_http2.END_HEADERS, 1,

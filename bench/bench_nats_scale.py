@@ -43,8 +43,7 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_collector import cpu_seconds
-
+from bench.bench_collector import cpu_seconds
 from services.collector.recording import ensure_stream
 from services.picker.metrics_feed import SnapshotSink
 from services.picker.state import PodTable

@@ -20,8 +20,16 @@ the shipped one; STREAMED; FULL_DUPLEX_STREAMED, as Gateway API gateways run an 
 each through its own Envoy in front of the same picker process, closed and open loop, plain and
 rewritten requests, and prints each mode's ratio to BUFFERED measured in the same run.
 
+A run with a ``--chat-tokens`` (4,000) chat prompt measures the prompt-aware request path (the
+picker reads, estimates and hashes every prompt, matches and records it in the pool's prefix
+index); ``--policy prefix-aware`` runs the pool on the scorer pipeline that uses them (issue 11
+target: <= 150 us CPU per request with everything on, >= 0.25x the static route's throughput).
+``--seed-rev REV`` (default: main before the picker read prompts) adds a third picker running
+that revision's code (from git) behind its own Envoy: the same requests on the seed's request
+path, in the same run, so the ratio shows what reading prompts costs.
+
 Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]
-[--compare-body-modes]``.
+[--compare-body-modes] [--policy prefix-aware] [--chat-tokens 4000]``.
 """
 
 from __future__ import annotations
@@ -39,10 +47,12 @@ from typing import Any
 
 import grpc
 import msgspec
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envoy_bootstrap import BODY_MODES, PickerEndpoint, envoy_config
+from shared.schemas import PolicyConfig
 from tests.support.envoy import EnvoyProcess
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
@@ -50,12 +60,9 @@ from tests.support.picker import PickerProcess
 from tests.support.ports import free_port, wait_for_port
 from tests.support.processes import die_with_parent
 
-try:
-    import uvloop
-except ImportError:  # pragma: no cover
-    uvloop = None
-
 POOL = "bench"
+SEED_REV = "b065d8c"  # main just before the picker read prompts (issue 11)
+ROOT = Path(__file__).resolve().parents[1]
 PODS = 2
 PROMPT = "Summarise the benefits of load balancing for LLM inference. " * 4
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -72,8 +79,10 @@ class _Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._waiter: asyncio.Future[int] | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    # typeshed keeps BaseProtocol's BaseTransport here, but a stream protocol is always given a
+    # Transport (uvloop's is not a subclass of asyncio.Transport, so isinstance cannot narrow).
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -194,6 +203,17 @@ async def open_loop(port: int, payload: bytes, rate: float, duration: float) -> 
     return LoadResult(len(latencies), failed, elapsed, latencies)
 
 
+def chat_bytes(model: str, tokens: int) -> bytes:
+    """A chat request of about ``tokens`` prompt tokens (4 characters each): a long system
+    prompt and a question."""
+    system = (PROMPT * (tokens * 4 // len(PROMPT) + 1))[:tokens * 4 - 200]
+    body = msgspec.json.encode({"model": model, "max_tokens": 16, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Which benefit matters most for a small fleet, and why?"}]})
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+
+
 def request_bytes(model: str) -> bytes:
     body = msgspec.json.encode({"model": model, "prompt": PROMPT, "max_tokens": 16})
     return (b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -212,8 +232,13 @@ def cpu_seconds(pid: int) -> float:
 class Stack:
     """NATS, upstream processes, one picker, one Envoy with gateway and baseline listeners."""
 
-    def __init__(self, workdir: Path, body_modes: bool = False) -> None:
+    def __init__(self, workdir: Path, body_modes: bool = False,
+                 policy: str | None = None, seed_rev: str | None = None) -> None:
         self.workdir = workdir
+        self.policy = policy  # the pool's scheduling policy (None: the picker's default)
+        self.seed_rev = seed_rev  # also run a picker of this git revision (None: not)
+        self.seed_picker: PickerProcess | None = None
+        self.seed_envoy: EnvoyProcess | None = None
         self.body_modes = body_modes  # one Envoy per body mode, instead of the usual parts
         self.mode_envoys: dict[str, EnvoyProcess] = {}
         self.nats = NatsServer(workdir / "jetstream")
@@ -240,7 +265,8 @@ class Stack:
             wait_for_port(port)
         addresses = {f"pod-{i}": f"127.0.0.1:{port}" for i, port in enumerate(self.upstream_ports)}
         self.feed = FleetFeed(self.nats.url, POOL).start()
-        self.feed.set_pool(target_port=self.upstream_ports[0])
+        self.feed.set_pool(target_port=self.upstream_ports[0],
+                           **({"policy": PolicyConfig(self.policy)} if self.policy else {}))
         self.feed.set_model("bench-model")
         self.feed.set_model("bench-alias", target_models=[{"name": "bench-model-v2", "weight": 1}])
         self.feed.set_endpoints(addresses)
@@ -264,6 +290,14 @@ class Stack:
         self.aio_envoy = EnvoyProcess(envoy_config(
             listener_port=free_port(), admin_port=free_port(), pickers=[self.aio_picker.endpoint],
             listener_host="127.0.0.1"), self.workdir).start()
+        if self.seed_rev:
+            self.seed_picker = PickerProcess(
+                POOL, self.nats.url, self.workdir, log_level="WARNING",
+                env=seed_environment(self.seed_rev, self.workdir / "seed")).start().wait_ready()
+            self.seed_envoy = EnvoyProcess(envoy_config(
+                listener_port=free_port(), admin_port=free_port(),
+                pickers=[self.seed_picker.endpoint], listener_host="127.0.0.1"),
+                self.workdir).start()
         self.floor = subprocess.Popen(
             [sys.executable, __file__, "--serve-constant-answers", str(self.floor_port),
              addresses["pod-0"]], preexec_fn=die_with_parent)
@@ -276,7 +310,7 @@ class Stack:
 
     def stop(self) -> None:
         for part in (self.envoy, self.aio_envoy, self.floor_envoy, *self.mode_envoys.values(),
-                     self.picker, self.aio_picker):
+                     self.seed_envoy, self.picker, self.aio_picker, self.seed_picker):
             if part is not None:
                 part.stop()
         if self.floor is not None:
@@ -288,6 +322,16 @@ class Stack:
             process.terminate()
             process.wait(5)
         self.nats.stop()
+
+
+def seed_environment(rev: str, folder: Path) -> dict[str, str]:
+    """The environment that runs ``lig`` as it was at ``rev``: that tree, from git, first on the
+    import path (PYTHONSAFEPATH keeps the current directory's code off it)."""
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True,
+                             check=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True, timeout=120)
+    return {"PYTHONPATH": str(folder), "PYTHONSAFEPATH": "1"}
 
 
 def add_baseline_listener(config: dict[str, Any], port: int, upstream_ports: list[int]) -> None:
@@ -342,7 +386,8 @@ def serve_constant_answers(port: int, destination: str) -> None:
     option.append_action = option.OVERWRITE_IF_EXISTS_OR_ADD
 
     class ConstantAnswers(external_processor_pb2_grpc.ExternalProcessorServicer):
-        async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async def Process(self, request_iterator: object,
+                          context: grpc.aio.ServicerContext[Any, Any]) -> None:
             while True:
                 message = await context.read()
                 if message is grpc.aio.EOF:
@@ -362,7 +407,7 @@ def serve_constant_answers(port: int, destination: str) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    (uvloop.run if uvloop is not None else asyncio.run)(serve())
+    uvloop.run(serve())
 
 
 # --- measurements -------------------------------------------------------------------------
@@ -388,7 +433,10 @@ async def measure(stack: Stack, target: str, mode: str, payload: bytes,
         port, pid = {"picker": (stack.envoy.listen_port, stack.picker.pid),
                      "baseline": (stack.baseline_port, 0),
                      "picker-aio": (stack.aio_envoy.listen_port, stack.aio_picker.pid),
-                     "floor": (stack.floor_envoy.listen_port, stack.floor.pid)}[target]
+                     "floor": (stack.floor_envoy.listen_port, stack.floor.pid),
+                     **({"picker-seed": (stack.seed_envoy.listen_port, stack.seed_picker.pid)}
+                        if stack.seed_envoy is not None and stack.seed_picker is not None
+                        else {})}[target]
     cpu_before = cpu_seconds(pid) if pid else 0.0
     if mode == "closed":
         result = await closed_loop(port, payload, args.connections, args.duration,
@@ -451,14 +499,21 @@ async def run(args: argparse.Namespace) -> int:
     if args.compare_body_modes:
         return await run_body_modes(args)
     with tempfile.TemporaryDirectory() as workdir:
-        stack = Stack(Path(workdir)).start()
+        stack = Stack(Path(workdir), policy=args.policy, seed_rev=args.seed_rev or None).start()
         try:
             plain, alias = request_bytes("bench-model"), request_bytes("bench-alias")
+            chat = chat_bytes("bench-model", args.chat_tokens)
             # Warm up every path (connections, caches) before measuring.
             assert stack.envoy and stack.aio_envoy and stack.floor_envoy
-            for port in (stack.envoy.listen_port, stack.aio_envoy.listen_port,
-                         stack.floor_envoy.listen_port, stack.baseline_port):
+            ports = [stack.envoy.listen_port, stack.aio_envoy.listen_port,
+                     stack.floor_envoy.listen_port, stack.baseline_port]
+            if stack.seed_envoy is not None:
+                ports.append(stack.seed_envoy.listen_port)
+            for port in ports:
                 await closed_loop(port, plain, 4, 1.0, 500)
+            seed_runs = (("seed picker closed", "picker-seed", "closed", plain),
+                         ("seed picker closed, chat", "picker-seed", "closed", chat),
+                         ) if stack.seed_envoy is not None else ()
             results: dict[str, list[Sample]] = {}
             for _ in range(args.rounds):
                 for name, target, mode, payload in (
@@ -471,6 +526,9 @@ async def run(args: argparse.Namespace) -> int:
                     ("picker open", "picker", "open", plain),
                     ("picker grpc-aio open", "picker-aio", "open", plain),
                     ("grpc.aio floor open", "floor", "open", plain),
+                    ("baseline closed, chat", "baseline", "closed", chat),
+                    ("picker closed, chat", "picker", "closed", chat),
+                    *seed_runs,
                 ):
                     results.setdefault(name, []).append(
                         await measure(stack, target, mode, payload, args))
@@ -503,6 +561,24 @@ def report(results: dict[str, list[Sample]], args: argparse.Namespace) -> int:
         (f"added p50 at {args.rate:.0f} req/s {added_p50:.2f} ms <= 1.5 ms", added_p50 <= 1.5),
         (f"throughput {throughput:.0f} req/s >= 1000 req/s", throughput >= 1000),
     ]
+    chat_cpu = median(results["picker closed, chat"], "picker_cpu_us")
+    chat_ratio = (median(results["picker closed, chat"], "rate")
+                  / median(results["baseline closed, chat"], "rate"))
+    print(f"{args.chat_tokens}-token chat prompt, policy {args.policy or 'default'}: picker CPU "
+          f"{chat_cpu:.0f} us/request ({chat_cpu / cpu:.2f}x the short prompt's), throughput "
+          f"{chat_ratio:.2f}x the static route's")
+    if "seed picker closed, chat" in results:
+        seed_chat = median(results["seed picker closed, chat"], "picker_cpu_us")
+        seed_plain = median(results["seed picker closed"], "picker_cpu_us")
+        print(f"seed picker ({args.seed_rev}, prompts not read), same run: {seed_chat:.0f} us per "
+              f"chat request, {seed_plain:.0f} us per short one; reading the chat prompt costs "
+              f"{chat_cpu - seed_chat:+.0f} us ({chat_cpu / seed_chat:.2f}x), the short prompt "
+              f"{cpu - seed_plain:+.0f} us ({cpu / seed_plain:.2f}x)")
+    checks += [
+        (f"chat prompt CPU per request {chat_cpu:.0f} us <= 150 us", chat_cpu <= 150),
+        (f"chat prompt throughput {chat_ratio:.2f}x >= 0.25x the static route's",
+         chat_ratio >= 0.25),
+    ]
     for text, passed in checks:
         print(f"  {'PASS' if passed else 'MISS'} {text}")
     return 0
@@ -520,6 +596,14 @@ def main() -> int:
     parser.add_argument("--compare-body-modes", action="store_true",
                         help="measure the routing filter's body modes against each other "
                         "(BUFFERED, STREAMED, FULL_DUPLEX_STREAMED) instead")
+    parser.add_argument("--policy", default=None,
+                        help="the pool's scheduling policy (default: the picker's default), "
+                        "e.g. prefix-aware")
+    parser.add_argument("--seed-rev", default=SEED_REV,
+                        help="git revision of the seed picker measured beside this one ('' to "
+                        "skip)")
+    parser.add_argument("--chat-tokens", type=int, default=4000,
+                        help="prompt tokens of the chat run's request (4 characters each)")
     parser.add_argument("--serve-constant-answers", nargs=2, metavar=("PORT", "DESTINATION"),
                         help=argparse.SUPPRESS)  # the floor server's own process
     args = parser.parse_args()
@@ -527,8 +611,7 @@ def main() -> int:
         port, destination = args.serve_constant_answers
         serve_constant_answers(int(port), destination)
         return 0
-    runner = uvloop.run if uvloop is not None else asyncio.run
-    return runner(run(args))
+    return uvloop.run(run(args))
 
 
 if __name__ == "__main__":

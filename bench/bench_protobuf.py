@@ -48,10 +48,10 @@ def wire_messages() -> tuple[list[bytes], list[bytes]]:
         "x-gateway-destination-endpoint")
     routed = pb.ProcessingResponse()
     common = routed.request_body.response
-    for key, value in (("x-gateway-destination-endpoint", b"10.0.0.7:8000"),
-                       ("content-length", str(len(body) + 3).encode())):
+    for key, raw in (("x-gateway-destination-endpoint", b"10.0.0.7:8000"),
+                     ("content-length", str(len(body) + 3).encode())):
         option = common.header_mutation.set_headers.add()
-        option.header.key, option.header.raw_value = key, value
+        option.header.key, option.header.raw_value = key, raw
         option.append_action = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     common.body_mutation.body = body.replace(b'"chat"', b'"chat-v2"')
     common.clear_route_cache = True

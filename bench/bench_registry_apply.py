@@ -27,8 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,6 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from services.picker.app import _NatsLink
 from services.picker.observability import PickerMetrics
+from services.picker.pools import Gateway
 from services.picker.routing import Routed, Router
 from services.picker.state import PodTable
 from shared.nats_connection import NatsSettings, connect
@@ -67,13 +69,14 @@ class Round(msgspec.Struct, frozen=True):
     updates: int
 
 
-Consumer = Callable[[str, Subjects, RegistryView, Router, asyncio.Event], Awaitable[None]]
+Consumer = Callable[[str, Subjects, RegistryView, Router, asyncio.Event],
+                    Coroutine[Any, Any, None]]
 
 
 async def incremental(url: str, subjects: Subjects, view: RegistryView, router: Router,
                       stop: asyncio.Event) -> None:
     """The picker's NATS link, exactly as ``lig picker`` runs it."""
-    link = _NatsLink(POOL, NatsSettings(url=url), subjects, view, router, router.pods,
+    link = _NatsLink(NatsSettings(url=url), subjects, view, Gateway.serving(router),
                      PickerMetrics(CollectorRegistry()))
     await link.run(stop)
 
@@ -113,6 +116,13 @@ async def publish(url: str, models: int) -> None:
     await publish_models(url, POOL, models, on_connected=lambda: print("publishing", flush=True))
 
 
+def _raise_if_failed(consuming: asyncio.Task[None]) -> None:
+    """Stop the round at once when the consumer died (its error, not a timeout minutes later)."""
+    if consuming.done():
+        consuming.result()
+        raise RuntimeError("the consumer stopped before the burst was applied")
+
+
 async def one_round(url: str, models: int, consumer: Consumer) -> Round:
     """Publish ``models`` models to a consumer that synced on an empty registry."""
     subjects = Subjects()
@@ -126,6 +136,7 @@ async def one_round(url: str, models: int, consumer: Consumer) -> Round:
     publisher: asyncio.subprocess.Process | None = None
     try:
         for _ in range(1000):  # up to 10 s for the consumer to sync (the endpoint is known)
+            _raise_if_failed(consuming)
             if router.pods.endpoints:
                 break
             await asyncio.sleep(0.01)
@@ -142,6 +153,7 @@ async def one_round(url: str, models: int, consumer: Consumer) -> Round:
                 result = router.route(last)
                 if isinstance(result, Routed) and result.target_model != f"m{models - 1}":
                     break
+                _raise_if_failed(consuming)
                 if time.perf_counter() > deadline:
                     raise TimeoutError(f"{models} models not applied in {APPLY_TIMEOUT} s")
                 await asyncio.sleep(0.005)

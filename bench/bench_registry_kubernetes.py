@@ -30,11 +30,13 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats
 import yaml
+from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
@@ -48,7 +50,7 @@ POOL = "bench-pool"
 X = "inference.networking.x-k8s.io/v1alpha2"
 
 
-def pod(i: int, ready: bool) -> dict:
+def pod(i: int, ready: bool) -> dict[str, Any]:
     return {"kind": "Pod", "metadata": {"name": f"vllm-{i}", "labels": {"app": "bench"}},
             "status": {"podIP": f"10.2.{i // 250}.{i % 250 + 1}",
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
@@ -70,7 +72,7 @@ async def endpoint_count(kv: KeyValue) -> int | None:
     return len(decode(entry.value or b"", EndpointSet).endpoints)
 
 
-async def open_bucket(nc: nats.NATS, prefix: str, deadline: float) -> KeyValue:
+async def open_bucket(nc: Client, prefix: str, deadline: float) -> KeyValue:
     while True:
         try:
             return await nc.jetstream().key_value(Subjects(prefix).registry_bucket)

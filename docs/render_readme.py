@@ -17,6 +17,7 @@ import re
 import socket
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,9 +113,13 @@ def render(text: str) -> str:
                              rf"{name} -->)", re.DOTALL)
         if not pattern.search(text):
             raise ValueError(f"README.md has no generated section {name!r}")
-        content = make()
-        text = pattern.sub(lambda m, c=content: f"{m.group(1)}{c}\n{m.group(2)}", text)
+        text = pattern.sub(partial(_fill, content=make()), text)
     return text
+
+
+def _fill(match: re.Match[str], content: str) -> str:
+    """A generated section (``match``: its two markers) holding ``content``."""
+    return f"{match.group(1)}{content}\n{match.group(2)}"
 
 
 def main() -> int:

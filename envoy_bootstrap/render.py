@@ -70,7 +70,7 @@ def envoy_config(
     """
     if not pickers:
         raise ValueError("Envoy needs at least one picker")
-    pickers = [p if isinstance(p, PickerEndpoint) else PickerEndpoint(*p) for p in pickers]
+    endpoints = [p if isinstance(p, PickerEndpoint) else PickerEndpoint(*p) for p in pickers]
     config = yaml.safe_load(template_text())
     config["admin"]["address"]["socket_address"] = {"address": admin_host,
                                                      "port_value": admin_port}
@@ -91,7 +91,7 @@ def envoy_config(
             "address": {"socket_address": {"address": p.host, "port_value": p.grpc_port}},
             "health_check_config": {"port_value": p.health_port},
         }}
-        for p in pickers
+        for p in endpoints
     ]}]
     if picker_tls is not None:
         _use_tls(picker, picker_tls)

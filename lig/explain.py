@@ -2,13 +2,21 @@
 
 Pods file: a JSON list of objects with ``name`` (required), ``address``, ``waiting``, ``running``,
 ``kv_cache_usage`` (0..1), ``running_adapters``, ``waiting_adapters``, ``max_lora`` and
-``in_flight``. Request file: an object with ``model``, optional ``target_model`` (defaults to
-``model``) and ``criticality`` (Critical | Standard | Sheddable, default Standard).
+``in_flight``, ``unreported_tokens``. The pods are loaded into a picker's ``PodTable`` as
+snapshots (with ``in_flight`` requests started on each), so the policy sees the views the picker
+would build from them: a pod without ``max_lora`` (vLLM reports none before its first step) gets
+the largest any pod reports. Request file: an object with ``model``, optional ``target_model``
+(defaults to ``model``) and ``criticality`` (Critical | Standard | Sheddable, default Standard);
+for prompt-aware policies also ``prompt_tokens``, ``max_tokens``, ``prefix_blocks`` (how many
+blocks of the prompt were hashed) and ``prefix_hits`` (pod name -> leading blocks the prefix
+index believes it holds). Scorer pipelines (``prefix-aware``) also show every candidate's
+weighted total and each scorer's score.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 from pathlib import Path
@@ -18,6 +26,7 @@ import msgspec
 
 from scheduling import (
     Decision,
+    PodScore,
     PodView,
     PolicyConfigError,
     SchedulingRequest,
@@ -25,7 +34,9 @@ from scheduling import (
     build_policy,
     policy_names,
 )
-from shared.schemas import Criticality, PolicyConfig
+from services.picker.gray_pods import GrayPods
+from services.picker.state import PodTable
+from shared.schemas import Criticality, Endpoint, PodMetrics, PolicyConfig
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 _SHOWN_NAMES = 8  # pod names listed per step in text output before "+N more"
@@ -41,16 +52,26 @@ class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     running_adapters: list[str] = []
     waiting_adapters: list[str] = []
-    max_lora: NonNegativeInt = 0
+    max_lora: NonNegativeInt | None = None
     in_flight: NonNegativeInt = 0
+    unreported_tokens: NonNegativeInt = 0
 
 
 class RequestEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The request file."""
+    """The request as the output echoes it."""
 
     model: str
     target_model: str | None = None
     criticality: Criticality = Criticality.STANDARD
+
+
+class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
+    """The request file: the echoed fields plus what prompt-aware policies read."""
+
+    prompt_tokens: NonNegativeInt = 0
+    max_tokens: NonNegativeInt = 0
+    prefix_blocks: NonNegativeInt = 0
+    prefix_hits: dict[str, NonNegativeInt] = {}
 
 
 class InputError(Exception):
@@ -66,6 +87,7 @@ class ExplainOutput(msgspec.Struct):
     pick: str | None
     shed: bool
     steps: list[StepTrace]
+    scores: list[PodScore] = []
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the policy once and print the explanation; 2 on bad input."""
     try:
         pods = _read_pods(args.pods)
-        request = _read(args.request, RequestEntry)
+        request = _read(args.request, RequestFile)
         params = _parse_params(args.param)
         policy = build_policy(PolicyConfig(name=args.policy, params=params), _rng(args.seed))
     except InputError as exc:
@@ -102,9 +124,15 @@ def run(args: argparse.Namespace) -> int:
         model=request.model,
         target_model=request.target_model or request.model,
         criticality=request.criticality,
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        # Stand-in hashes: a policy reads only how many blocks there are and the hits.
+        prefix_hashes=tuple(range(request.prefix_blocks)),
+        prefix_hits={pod: min(hits, request.prefix_blocks)
+                     for pod, hits in request.prefix_hits.items()},
     )
     decision = policy.schedule(scheduling_request, pods, explain=True)
-    resolved = msgspec.structs.replace(request, target_model=scheduling_request.target_model)
+    resolved = RequestEntry(request.model, scheduling_request.target_model, request.criticality)
     if args.json:
         output = ExplainOutput(
             policy=policy.name,
@@ -113,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             pick=decision.pick.name if decision.pick else None,
             shed=decision.shed,
             steps=list(decision.steps),
+            scores=list(decision.scores),
         )
         print(msgspec.json.encode(output).decode())
     else:
@@ -141,25 +170,38 @@ def _read(path: Path, entry_type: type[T]) -> T:
 def _read_pods(path: Path) -> list[PodView]:
     entries = _read(path, list[PodEntry])
     seen: set[str] = set()
-    pods = []
     for index, entry in enumerate(entries):
         if entry.name in seen:
             raise InputError(f"{path} at $[{index}].name: duplicate pod name {entry.name!r}")
         seen.add(entry.name)
-        pods.append(
-            PodView(
-                name=entry.name,
-                address=entry.address,
-                waiting=entry.waiting,
-                running=entry.running,
-                kv_cache_usage=entry.kv_cache_usage,
-                running_adapters=frozenset(entry.running_adapters),
-                waiting_adapters=frozenset(entry.waiting_adapters),
-                max_lora=entry.max_lora,
-                in_flight=entry.in_flight,
-            )
-        )
-    return pods
+    return picker_views(entries)
+
+
+def picker_views(entries: list[PodEntry]) -> list[PodView]:
+    """The views a picker's ``PodTable`` builds from these pods as fresh snapshots, each with
+    ``in_flight`` requests started; in file order, addresses as given."""
+    table = PodTable(math.inf, clock=lambda: 0.0, load_estimate=False, gray=GrayPods(0, 0))
+    table.set_endpoints(_endpoint(entry) for entry in entries)
+    for entry in entries:
+        table.apply(PodMetrics(
+            pool="explain", pod=entry.name, address=_endpoint(entry).hostport, seq=1,
+            scrape_time_ns=0, scrape_duration_s=0.0, ok=True, waiting=entry.waiting,
+            running=entry.running, kv_cache_usage=entry.kv_cache_usage,
+            running_adapters=tuple(entry.running_adapters),
+            waiting_adapters=tuple(entry.waiting_adapters), max_lora=entry.max_lora))
+        for _ in range(entry.in_flight):
+            table.started(entry.name)
+    by_name = {entry.name: entry for entry in entries}
+    return [msgspec.structs.replace(view, address=by_name[view.name].address,
+                                    unreported_tokens=by_name[view.name].unreported_tokens)
+            for view in table.fresh_views()]
+
+
+def _endpoint(entry: PodEntry) -> Endpoint:
+    host, colon, port = entry.address.rpartition(":")
+    if colon and port.isdigit():
+        return Endpoint(entry.name, host, int(port))
+    return Endpoint(entry.name, entry.address, 0)
 
 
 def _parse_params(items: list[str]) -> dict[str, Any]:
@@ -191,6 +233,8 @@ def _render(policy: str, request: RequestEntry, pod_count: int, decision: Decisi
             outcome = f"{len(step.entered)} in -> {len(step.kept)} kept"
             kept = f" [{_names(step.kept)}]" if step.kept else ""
             lines.append(f"  {number:>2}. {step.step:<{width}}  {outcome}{kept}  {step.branch}")
+    if decision.scores:
+        lines.extend(_score_table(decision.scores))
     lines.append(f"candidates: {_names(tuple(pod.name for pod in decision.candidates)) or '-'}")
     if decision.pick is not None:
         lines.append(f"pick: {decision.pick.name} ({decision.pick.address or 'no address'})")
@@ -201,6 +245,16 @@ def _render(policy: str, request: RequestEntry, pod_count: int, decision: Decisi
     else:
         lines.append("pick: none - no candidate left (the picker answers 503)")
     return "\n".join(lines)
+
+
+def _score_table(scores: tuple[PodScore, ...]) -> list[str]:
+    """Scores per pod, best total first: ``pod  total  scorer=score ...``."""
+    width = max(len(entry.pod) for entry in scores)
+    lines = ["scores (weighted total; each scorer's score):"]
+    for entry in sorted(scores, key=lambda entry: -entry.total):
+        parts = "  ".join(f"{name}={value:.3f}" for name, value in entry.scores.items())
+        lines.append(f"  {entry.pod:<{width}}  {entry.total:7.3f}  {parts}")
+    return lines
 
 
 def _names(names: tuple[str, ...]) -> str:

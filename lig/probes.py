@@ -25,8 +25,10 @@ async def grpc_serving(target: str, service: str = "readiness", rpc_timeout: flo
     async with grpc.aio.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                     timeout=rpc_timeout)
+            # types-grpcio-health-checking's HealthStub lacks the methods the generated
+            # __init__ sets up from the channel.
+            reply = await stub.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(service=service), timeout=rpc_timeout)
         except grpc.aio.AioRpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -44,9 +46,9 @@ async def http_ok(client: httpx.AsyncClient, url: str) -> bool:
 async def _probe(kind: str, targets: list[str]) -> list[str]:
     """The targets that are not healthy."""
     if kind == "grpc":
-        address, *service = targets
-        healthy = await grpc_serving(address, *(service or ["readiness"]), rpc_timeout=2.0)
-        return [] if healthy else [f"{address} {' '.join(service) or 'readiness'}"]
+        address, service = targets[0], targets[1] if len(targets) > 1 else "readiness"
+        healthy = await grpc_serving(address, service, rpc_timeout=2.0)
+        return [] if healthy else [f"{address} {service}"]
     async with httpx.AsyncClient(timeout=2.0) as client:
         results = await asyncio.gather(*(http_ok(client, url) for url in targets))
     return [url for url, ok in zip(targets, results, strict=True) if not ok]

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
@@ -49,9 +50,9 @@ class _Stack:
         self.nc: Client | None = None
         self.snapshots: dict[str, PodMetrics] = {}
 
-    async def on_snapshot(self, message: object) -> None:
+    async def on_snapshot(self, message: Msg) -> None:
         with contextlib.suppress(DecodeError):
-            snapshot = decode(message.data, PodMetrics)  # type: ignore[attr-defined]
+            snapshot = decode(message.data, PodMetrics)
             self.snapshots[snapshot.pod] = snapshot
 
     async def nats(self) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -240,9 +241,9 @@ async def latest_snapshots(nc: Client, subjects: Subjects, pods: list[tuple[str,
                 latest[(pool, pod)] = decode(message.data or b"", PodMetrics)
         return latest
 
-    async def keep_newest(message: object) -> None:
+    async def keep_newest(message: Msg) -> None:
         with contextlib.suppress(DecodeError):
-            snapshot = decode(message.data, PodMetrics)  # type: ignore[attr-defined]
+            snapshot = decode(message.data, PodMetrics)
             key = (snapshot.pool, snapshot.pod)
             if key not in latest or latest[key].scrape_time_ns < snapshot.scrape_time_ns:
                 latest[key] = snapshot

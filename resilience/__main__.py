@@ -10,6 +10,9 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
 
 from resilience import attack, chaos
 from resilience.report import Figure, all_passed, table
@@ -40,6 +43,8 @@ def _csv(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         return names
     return parse
 
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 _ATTACK_FLAGS = {
     "duration": "seconds each HTTP/2 scenario lasts",
@@ -77,8 +82,12 @@ def _settings_flags(parser: argparse.ArgumentParser, defaults: object,
                             help=text)
 
 
-def _settings_values(args: argparse.Namespace, helps: dict[str, str]) -> dict[str, object]:
-    return {field: getattr(args, field) for field in helps}
+def _settings(settings_type: type[S], args: argparse.Namespace, helps: dict[str, str],
+              **fixed: object) -> S:
+    """``settings_type`` from the flags of ``helps`` and the ``fixed`` fields (msgspec checks
+    every field's type)."""
+    return msgspec.convert({**fixed, **{field: getattr(args, field) for field in helps}},
+                           settings_type)
 
 
 def configure_attack(parser: argparse.ArgumentParser) -> None:
@@ -115,8 +124,8 @@ def _print(figures: list[Figure]) -> int:
 
 
 async def _attack(args: argparse.Namespace) -> int:
-    settings = attack.AttackSettings(scenarios=args.only, slow_hold=args.slow_hold,
-                                     **_settings_values(args, _ATTACK_FLAGS))
+    settings = _settings(attack.AttackSettings, args, _ATTACK_FLAGS, scenarios=args.only,
+                         slow_hold=args.slow_hold)
     if args.gateway is not None:
         target = attach(args.gateway, args.picker, [])
         return _print(await attack.run_attacks(lambda: target, settings))
@@ -136,8 +145,8 @@ async def _attack(args: argparse.Namespace) -> int:
 
 
 async def _chaos(args: argparse.Namespace) -> int:
-    settings = chaos.ChaosSettings(faults=args.faults, ready_timeout=args.ready_timeout,
-                                   **_settings_values(args, _CHAOS_FLAGS))
+    settings = _settings(chaos.ChaosSettings, args, _CHAOS_FLAGS, faults=args.faults,
+                         ready_timeout=args.ready_timeout)
     async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
                          response_timeout=settings.response_timeout) as stack:
         return _print(await chaos.run_chaos(stack, settings))

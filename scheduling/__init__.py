@@ -8,6 +8,7 @@ from scheduling.params import PolicyConfigError
 from scheduling.policies import build_policy, policy_names
 from scheduling.types import (
     Decision,
+    PodScore,
     PodView,
     Policy,
     SchedulingRequest,
@@ -16,6 +17,7 @@ from scheduling.types import (
 
 __all__ = [
     "Decision",
+    "PodScore",
     "PodView",
     "Policy",
     "PolicyConfigError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -26,6 +26,8 @@ class ShedRequest(FilterFailed):
     """Raised by a filter that decides to drop the request (the picker answers 429)."""
 
 
+# Runtime-checkable: building a policy checks each plugin against its registered kind.
+@runtime_checkable
 class Filter(Protocol):
     """Narrows the candidate list; must keep input order and never mutate its input."""
 
@@ -34,6 +36,7 @@ class Filter(Protocol):
         ...
 
 
+@runtime_checkable
 class Scorer(Protocol):
     """Rates every candidate; higher is better."""
 
@@ -42,6 +45,7 @@ class Scorer(Protocol):
         ...
 
 
+@runtime_checkable
 class Picker(Protocol):
     """Chooses the final pod among non-empty candidates."""
 

@@ -3,7 +3,8 @@
 ``filter-tree`` is the upstream decision tree of PR #78 (kubernetes-sigs/
 gateway-api-inference-extension, December 2024) with its thresholds as parameters; the baselines
 ``least-queue``, ``random`` and ``round-robin`` are built the same way, so a new policy is a new
-spec beside these.
+spec beside these. ``prefix-aware`` is a scheduler profile instead (filters -> weighted scorers ->
+picker, ``scheduling/profile.py``), whose params may recompose it.
 
 Choices where upstream is silent or differs:
 - Criticality: Critical and Standard take the critical branch, Sheddable the sheddable one.
@@ -26,6 +27,7 @@ import msgspec
 from scheduling.catalog import create_plugin
 from scheduling.params import PolicyConfigError, parse_params
 from scheduling.plugin import FilterFailed, NoParams, Picker, ShedRequest
+from scheduling.profile import build_profile
 from scheduling.tree import Node, build_tree, run_tree
 from scheduling.types import (
     Decision,
@@ -174,14 +176,18 @@ def _round_robin(params: Mapping[str, Any], rng: random.Random) -> Policy:
     return _tree_policy("round-robin", None, "round_robin", rng)
 
 
+def _prefix_aware(params: Mapping[str, Any], rng: random.Random) -> Policy:
+    return build_profile("prefix-aware", params, rng)
+
+
 def _tree_policy(
     name: str, spec: dict[str, Any] | None, picker_type: str, rng: random.Random
 ) -> TreePolicy:
     root = None if spec is None else build_tree(spec, rng)
     entry, picker = create_plugin(picker_type, {}, rng)
-    if entry.kind != "picker":
+    if entry.kind != "picker" or not isinstance(picker, Picker):
         raise PolicyConfigError(f"policy {name!r}: plugin {picker_type!r} is not a picker")
-    return TreePolicy(name, root, picker, f"{picker_type} pick")  # type: ignore[arg-type]
+    return TreePolicy(name, root, picker, f"{picker_type} pick")
 
 
 POLICIES: dict[str, PolicyFactory] = {
@@ -189,6 +195,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "round-robin": _round_robin,
     "random": _random,
     "least-queue": _least_queue,
+    "prefix-aware": _prefix_aware,
 }
 
 

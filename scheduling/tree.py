@@ -18,7 +18,7 @@ import msgspec
 
 from scheduling.catalog import create_plugin
 from scheduling.params import PolicyConfigError
-from scheduling.plugin import BestScore, Filter, FilterFailed
+from scheduling.plugin import BestScore, Filter, FilterFailed, Scorer
 from scheduling.types import PodView, SchedulingRequest, StepTrace
 
 
@@ -68,10 +68,13 @@ def build_tree(spec: Any, rng: random.Random) -> Node:
 
 def _build(spec: StepSpec, rng: random.Random) -> Node:
     entry, plugin = create_plugin(spec.plugin, spec.params, rng)
-    if entry.kind == "scorer":
-        step: Filter = BestScore(plugin)  # type: ignore[arg-type]
-    elif entry.kind == "filter":
-        step = plugin  # type: ignore[assignment]
+    if entry.kind == "scorer" and isinstance(plugin, Scorer):
+        step: Filter = BestScore(plugin)
+    elif entry.kind == "filter" and isinstance(plugin, Filter):
+        step = plugin
+    elif entry.kind in ("filter", "scorer"):
+        raise PolicyConfigError(f"step {spec.name!r}: plugin {spec.plugin!r} is registered as "
+                                f"a {entry.kind} but does not implement one")
     else:
         raise PolicyConfigError(
             f"step {spec.name!r}: plugin {spec.plugin!r} is a {entry.kind}, not a filter or scorer"

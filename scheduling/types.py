@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import msgspec
@@ -23,14 +24,32 @@ class PodView(msgspec.Struct, frozen=True):
     waiting_adapters: frozenset[str] = frozenset()
     max_lora: int = 0
     in_flight: int = 0
+    # Prompt tokens routed to the pod (by this picker and its peers) that its newest snapshot
+    # does not show yet (see services/picker/load_estimate.py).
+    unreported_tokens: int = 0
+
+
+_NO_HITS: Mapping[str, int] = MappingProxyType({})
 
 
 class SchedulingRequest(msgspec.Struct, frozen=True):
-    """One request as the policy sees it: the name asked for, the resolved target, criticality."""
+    """One request as the policy sees it: the name asked for, the resolved target, criticality,
+    and what the picker read of its prompt.
+
+    ``prompt_tokens`` is the estimate of ``scheduling/prompt.py``; ``max_tokens`` the client's
+    completion limit (0: none given); ``prefix_hashes`` the chained hashes of the prompt's
+    leading fixed-size blocks (``scheduling/prefix_hash.py``; deterministic across processes);
+    ``prefix_hits`` maps a pod name to the number of leading blocks the pool's prefix index
+    believes that pod holds (filled by the Router before the policy runs; pods with none absent).
+    """
 
     model: str
     target_model: str
     criticality: Criticality = Criticality.STANDARD
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    prefix_hashes: tuple[int, ...] = ()
+    prefix_hits: Mapping[str, int] = _NO_HITS
 
 
 class StepTrace(msgspec.Struct, frozen=True):
@@ -42,13 +61,23 @@ class StepTrace(msgspec.Struct, frozen=True):
     branch: str
 
 
+class PodScore(msgspec.Struct, frozen=True):
+    """One pod's score in a scorer pipeline: the weighted total and each scorer's raw score."""
+
+    pod: str
+    total: float
+    scores: dict[str, float]
+
+
 class Decision(msgspec.Struct, frozen=True):
-    """A policy's answer: the pick (None when shed or no pod), the final candidates, the path."""
+    """A policy's answer: the pick (None when shed or no pod), the final candidates, the path,
+    and (scorer pipelines, when explained) every candidate's scores."""
 
     pick: PodView | None
     candidates: tuple[PodView, ...]
     shed: bool = False
     steps: tuple[StepTrace, ...] = ()
+    scores: tuple[PodScore, ...] = ()
 
 
 class Policy(Protocol):

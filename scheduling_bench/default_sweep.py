@@ -27,8 +27,10 @@ from scheduling_bench.workloads import WORKLOADS
 from shared.schemas import PolicyConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 
-# filter-tree+raw: the same tree without the pickers' load estimate (upstream's behaviour).
-POLICIES = ("round-robin", "random", "least-queue", "filter-tree", "filter-tree+raw")
+# filter-tree+raw: the same tree without the pickers' load estimate (upstream's behaviour);
+# default+oracle: lig picker's default policy on every pod's exact state (the bound).
+POLICIES = ("round-robin", "random", "least-queue", "filter-tree", "filter-tree+raw",
+            "default+oracle")
 DURATION = 30.0
 SEED = 1
 
@@ -40,6 +42,7 @@ RATES: dict[str, tuple[float, ...]] = {
     "multi-lora": (30, 90, 180, 270),
     "shared-prefix": (60, 180, 270, 360),
     "mixed-criticality": (60, 180, 270, 360),
+    "multi-turn": (60, 180, 270, 360),
 }
 
 # Why the filter tree's TTFT depends on metric freshness: the chat workload at a medium rate
@@ -48,6 +51,18 @@ RATES: dict[str, tuple[float, ...]] = {
 FRESHNESS_RATE = 180.0
 FRESHNESS_POLICIES = ("round-robin", "least-queue", "filter-tree", "filter-tree+raw")
 FRESHNESS_VARIANTS = ((0.01, 1), (0.05, 1), (0.2, 1), (0.05, 4))  # (scrape interval, pickers)
+
+
+# Picker replicas against one picker: the default policy on chat (50 and 200 ms scrapes) and
+# multi-LoRA, with 1 picker, 4 that share their decisions, and 4 that do not.
+REPLICA_POINTS = (("chat", 180.0, 0.05), ("chat", 270.0, 0.05), ("chat", 180.0, 0.2),
+                  ("chat", 270.0, 0.2), ("multi-lora", 180.0, 0.05))
+REPLICA_VARIANTS = ((1, True), (4, True), (4, False))  # (pickers, shared decisions)
+
+# Shared prefixes that do not fit every pod's KV cache: 256 system prompts of 4,000 tokens.
+PREFIX_FIT = {"prefix_groups": 256, "prefix_tokens": 4_000}
+PREFIX_FIT_RATE = 100.0
+PREFIX_FIT_POLICIES = ("round-robin", "filter-tree", "default", "default+oracle")
 
 
 def points(trace: str) -> list[Point]:
@@ -60,12 +75,10 @@ def points(trace: str) -> list[Point]:
             workload = msgspec.structs.replace(workload, trace=trace)
         for rate in rates:
             for label in POLICIES:
-                policy, load_estimate = parse_policy(label)
                 result.append(
                     Point(
                         workload=workload,
-                        policy=policy,
-                        load_estimate=load_estimate,
+                        **parse_policy(label).fields(),
                         rate=rate,
                         duration=DURATION,
                         seed=SEED,
@@ -80,8 +93,7 @@ def freshness_points() -> list[Point]:
     return [
         Point(
             workload=WORKLOADS["chat"],
-            policy=policy,
-            load_estimate=load_estimate,
+            **parse_policy(label).fields(),
             rate=FRESHNESS_RATE,
             duration=DURATION,
             seed=SEED,
@@ -89,7 +101,63 @@ def freshness_points() -> list[Point]:
             scrape_interval=interval,
         )
         for interval, pickers in FRESHNESS_VARIANTS
-        for policy, load_estimate in map(parse_policy, FRESHNESS_POLICIES)
+        for label in FRESHNESS_POLICIES
+    ]
+
+
+def replica_points() -> list[Point]:
+    """The points of the replica comparison (``default`` policy)."""
+    return [
+        Point(
+            workload=WORKLOADS[name],
+            **parse_policy("default").fields(),
+            rate=rate,
+            duration=DURATION,
+            seed=SEED,
+            pickers=pickers,
+            shared_decisions=shared,
+            scrape_interval=interval,
+        )
+        for name, rate, interval in REPLICA_POINTS
+        for pickers, shared in REPLICA_VARIANTS
+    ]
+
+
+def replica_table(results: Sequence[RunMetrics]) -> str:
+    """TTFT by picker replicas, with and without shared decisions, against one picker."""
+    lines = [
+        "| workload | rate (req/s) | scrape interval | pickers | shared decisions | TTFT p50 "
+        "| TTFT p90 | TTFT p99 | p90 / 1 picker | p99 / 1 picker |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    single: dict[tuple[str, float, float], RunMetrics] = {}
+    for r in results:
+        if r.pickers == 1:
+            single[(r.workload, r.rate, r.scrape_interval)] = r
+    for r in results:
+        one = single.get((r.workload, r.rate, r.scrape_interval))
+        shared = "yes" if r.shared_decisions else "no" if r.pickers > 1 else "-"
+        lines.append(
+            f"| {r.workload} | {r.rate:g} | {r.scrape_interval * 1000:g} ms | {r.pickers} "
+            f"| {shared} | {report.format_seconds(r.ttft.p50)} "
+            f"| {report.format_seconds(r.ttft.p90)} | {report.format_seconds(r.ttft.p99)} "
+            f"| {_ratio(r.ttft.p90, one.ttft.p90 if one else None)} "
+            f"| {_ratio(r.ttft.p99, one.ttft.p99 if one else None)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}"
+
+
+def prefix_fit_points() -> list[Point]:
+    """The points of the shared-prefix comparison with prefixes that do not fit."""
+    workload = msgspec.structs.replace(WORKLOADS["shared-prefix"], **PREFIX_FIT)
+    return [
+        Point(workload=workload, **parse_policy(label).fields(), rate=PREFIX_FIT_RATE,
+              duration=DURATION, seed=SEED)
+        for label in PREFIX_FIT_POLICIES
     ]
 
 
@@ -133,13 +201,19 @@ def replace_blocks(text: str, blocks: dict[str, str]) -> str:
 def regenerate(doc: Path, trace: str, command: Sequence[str], jobs: int) -> list[RunMetrics]:
     """Run the default sweep and rewrite ``doc``'s generated blocks and plots."""
     text = doc.read_text()
-    sweep, freshness = points(trace), freshness_points()
-    everything = run_points([*sweep, *freshness], jobs=jobs)
-    results = everything[: len(sweep)]
+    groups = [points(trace), freshness_points(), replica_points(), prefix_fit_points()]
+    everything = run_points([point for group in groups for point in group], jobs=jobs)
+    parts = []
+    for group in groups:
+        parts.append(everything[: len(group)])
+        everything = everything[len(group):]
+    results, freshness, replicas, prefix_fit = parts
     image_dir = doc.parent / doc.stem
     blocks = {
         "setup": _setup_block(command),
-        "freshness": freshness_table(everything[len(sweep) :]),
+        "freshness": freshness_table(freshness),
+        "replicas": replica_table(replicas),
+        "prefix-fit": report.markdown_table(prefix_fit),
     }
     for name in RATES:
         runs = [r for r in results if r.workload == name]

@@ -1,44 +1,74 @@
-"""The simulated fleet: N engines in virtual time behind pickers that run the real policy code.
+"""The simulated fleet: N engines in virtual time behind picker replicas that are the real picker.
 
 What is modelled, and how it maps to production:
 
 - Each pod is a ``simulator.engine.Engine`` (vLLM V1's scheduler and step-time model).
+- Each picker replica is the picker's decision core (``services.picker.core.build_gateway``: the
+  ``Gateway``, ``Router`` and ``PodTable`` ext_proc calls), with the defaults of ``lig picker``,
+  on the run's virtual clock (snapshot freshness, gray pods). It learns the pool, its models,
+  the InferenceObjectives (one per criticality) and the pods from a registry view, as the picker
+  does from the registry's KV bucket.
+- A request reaches a replica (Envoy balancing its ext_proc streams: uniformly at random) as the
+  client sent it: an OpenAI body with the prompt's text and the objective header. The replica
+  routes it (model resolution with the weighted draw, criticality, the pool's policy); a 429 is
+  a shed, a 503 a request no pod took. The chosen pod computes the resolved target (base model
+  or adapter). The replica counts the request in flight from then until the engine finishes it
+  (``Gateway.started`` / ``finished``, as ext_proc does at the response's end).
 - The collector scrapes every pod each ``scrape_interval`` seconds (each pod at its own seeded
-  phase, as the collector's per-pod loops drift apart); a snapshot reaches the pickers
-  ``propagation_delay`` seconds later (scrape duration plus the NATS hop). Until the next one
-  arrives, a picker decides on that snapshot: staleness is up to ``interval + delay``.
-- Every picker replica subscribes to the same snapshots (one collector stream), and keeps its
-  own policy instance with its own random source and round-robin cursor, and its own in-flight
-  counts: +1 when it sends a request to a pod, -1 when the response ends, as the picker's
-  ``PodTable`` does. Requests are spread over replicas uniformly at random (Envoy balancing
-  its ext_proc streams).
-- Unless ``load_estimate`` is off, each replica also counts the requests it sent to a pod since
-  that pod's newest snapshot arrived, in the pod's ``waiting`` (``services/picker/load_estimate``,
-  the same code as ``lig picker``; off is ``lig picker --no-load-estimate``).
+  phase) into the ``PodMetrics`` the collector publishes; ``propagation_delay`` later every
+  replica decodes and applies it (``SnapshotSink``, as from NATS).
+- ``oracle``: before each decision the deciding replica also gets a snapshot of every pod's exact
+  state at that instant: the bound no scrape-fed picker can beat.
+- ``shared_decisions`` (with a core that supports the decision stream): each replica's own
+  routed/finished/shed events reach every other replica ``decision_delay`` seconds later
+  (``Gateway.apply_peer``), as the decision stream on NATS delivers them.
+- Multi-turn: a conversation's next turn arrives ``think`` seconds after the previous turn's
+  answer ended (or after it was refused).
 - A decision costs no virtual time, and a chosen request reaches its pod at once.
 
-Events at the same instant run in this order: steps that end, scrapes, snapshot deliveries,
+Everything runs in one discrete-event loop (``simulator.virtual_time.EventLoop``): at one
+instant, steps that end, then scrapes, then deliveries (snapshots, peers' decisions), then
 arrivals, then a new step on every idle pod with work.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
-import math
 import random
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
-from scheduling import PodView, Policy, build_policy
-from scheduling_bench.workloads import BenchRequest
-from services.picker.load_estimate import UnreportedLoad, picker_views
-from shared.schemas import PolicyConfig
-from simulator.engine import Engine, EngineConfig, EngineCounters, Request, RequestRejected
-from simulator.virtual_time import VirtualClock, engine_rng
+from scheduling_bench.workloads import BASE_MODEL, OBJECTIVES, BenchRequest
+from services.picker.core import build_gateway, shares_decisions
+from services.picker.metrics_feed import SnapshotSink
+from services.picker.pools import Gateway
+from services.picker.routing import Rejected, Routed
+from services.picker.settings import PickerSettings
+from shared.registry_view import RegistryView
+from shared.schemas import (
+    Endpoint,
+    EndpointSet,
+    InferenceModel,
+    InferencePool,
+    PodMetrics,
+    PolicyConfig,
+    encode,
+)
+from simulator.engine import (
+    Engine,
+    EngineConfig,
+    EngineCounters,
+    Request,
+    RequestRejected,
+    StepResult,
+)
+from simulator.virtual_time import ARRIVAL, DELIVERY, SCRAPE, EventLoop, VirtualClock, engine_rng
+
+POOL = "bench"
+PORT = 8000
 
 
 class FleetConfig(msgspec.Struct, frozen=True):
@@ -51,8 +81,13 @@ class FleetConfig(msgspec.Struct, frozen=True):
     propagation_delay: float = 0.005
     """Seconds from a scrape's start until the pickers have its snapshot."""
     load_estimate: bool = True
-    """Pickers count the requests their pods have not reported yet as waiting (see
-    ``services/picker/load_estimate.py``)."""
+    """``lig picker --load-estimate`` (see ``services/picker/load_estimate.py``)."""
+    oracle: bool = False
+    """Each decision also sees every pod's exact state at that instant."""
+    shared_decisions: bool = True
+    """Replicas apply each other's decisions (``lig picker --no-shared-decisions`` is False)."""
+    decision_delay: float = 0.002
+    """Seconds from a replica's decision until its peers have applied it."""
     engine: EngineConfig = EngineConfig()
 
 
@@ -79,6 +114,7 @@ class FleetRun:
         counters: list[EngineCounters],
         end_time: float,
         wall_seconds: float,
+        shared_decisions: bool = False,
     ) -> None:
         self.requests = requests
         self.outcomes = outcomes
@@ -87,39 +123,53 @@ class FleetRun:
         self.counters = counters
         self.end_time = end_time
         self.wall_seconds = wall_seconds
-
-
-class PickerReplica:
-    """One picker: a policy instance, and in-flight counts and unreported load of its requests."""
-
-    def __init__(self, policy: Policy, load_estimate: bool) -> None:
-        self.policy = policy
-        self.in_flight: dict[str, int] = {}
-        self.unreported = UnreportedLoad(load_estimate)
-
-    def sent(self, pod: str) -> None:
-        """A request went to ``pod`` (``PodTable.started``)."""
-        self.in_flight[pod] = self.in_flight.get(pod, 0) + 1
-        self.unreported.routed(pod)
-
-    def ended(self, pod: str) -> None:
-        """A request to ``pod`` finished (``PodTable.finished``)."""
-        self.in_flight[pod] -= 1
-
-    def views(self, snapshots: list[PodView]) -> list[PodView]:
-        """The pod views this replica's policy sees, as ``PodTable.fresh_views`` builds them."""
-        return picker_views(snapshots, self.in_flight, self.unreported.counts)
+        # Whether replicas did share decisions (more than one, asked for, and supported).
+        self.shared_decisions = shared_decisions
 
 
 def simulate(
     requests: Sequence[BenchRequest], policy: PolicyConfig, config: FleetConfig, seed: int
 ) -> FleetRun:
-    """Play ``requests`` (sorted by time) through the fleet until every one has ended."""
+    """Play ``requests`` through the fleet until every one has ended."""
     return _Simulation(requests, policy, config, seed).run()
 
 
+def registry_view(policy: PolicyConfig, pods: Sequence[str], models: Sequence[str]) -> RegistryView:
+    """The benchmark's registry: one pool with ``policy``, one InferenceObjective per
+    criticality, ``models`` registered (each its own target), and ``pods`` as members."""
+    view = RegistryView()
+    objectives = {name: criticality for criticality, name in OBJECTIVES.items()}
+    view.pools[POOL] = InferencePool(name=POOL, target_port=PORT, policy=policy,
+                                     objectives=objectives)
+    view.models[POOL] = {name: InferenceModel(model_name=name, pool=POOL) for name in models}
+    view.endpoints[POOL] = EndpointSet(POOL, tuple(
+        Endpoint(name, _address(index), PORT) for index, name in enumerate(pods)))
+    return view
+
+
+def _address(index: int) -> str:
+    return f"10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}"
+
+
+class _Replica:
+    """One picker replica: its decision core and the sink its snapshots go through."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.sink = SnapshotSink(gateway.table, on_undecodable=_refused, on_wrong_address=_refused)
+
+
+def _picker_id(replica: int) -> str:
+    return f"picker-{replica}"
+
+
+def _refused() -> None:
+    """The bench's own snapshot was refused: a bug in the bench, never a result."""
+    raise RuntimeError("a picker replica refused a snapshot of the simulated fleet")
+
+
 class _Simulation:
-    """One run's state: engines on one virtual clock, picker replicas, scrape schedule."""
+    """One run's state: engines and picker replicas in one event loop."""
 
     def __init__(
         self,
@@ -132,122 +182,182 @@ class _Simulation:
             raise ValueError("a fleet needs at least one pod and one picker")
         if config.scrape_interval <= 0 or config.propagation_delay < 0:
             raise ValueError("scrape_interval must be > 0 and propagation_delay >= 0")
+        if config.decision_delay < 0:
+            raise ValueError("decision_delay must be >= 0")
         self.requests = requests
         self.config = config
         self.clock = VirtualClock()
         self.engines = [
             Engine(config.engine, self.clock, engine_rng(seed, pod)) for pod in range(config.pods)
         ]
+        self.loop = EventLoop(self.engines, self.clock, self._stepped)
         self.names = [f"pod-{pod}" for pod in range(config.pods)]
         self.index = {name: pod for pod, name in enumerate(self.names)}
-        self.pickers = [
-            PickerReplica(
-                build_policy(policy, random.Random(f"policy/{seed}/{replica}")),
-                config.load_estimate,
-            )
-            for replica in range(config.pickers)
-        ]
+        self.seq = [0] * config.pods
+        self.shared = config.shared_decisions and config.pickers > 1 and shares_decisions()
+        settings = PickerSettings(pools=[POOL], load_estimate=config.load_estimate)
+        view = registry_view(policy, self.names, (BASE_MODEL, *config.engine.adapters))
+        self.replicas = []
+        for replica in range(config.pickers):
+            on_decision = None
+            if self.shared:
+                on_decision = self._sharer(replica)
+            gateway = build_gateway(settings, rng=random.Random(f"policy/{seed}/{replica}"),
+                                    clock=self.clock.now, on_decision=on_decision,
+                                    picker_id=_picker_id(replica))
+            gateway.update(view)
+            self.replicas.append(_Replica(gateway))
         self.spread = random.Random(f"spread/{seed}")
-        phases = random.Random(f"scrape-phase/{seed}")
-        pods = range(config.pods)
-        self.scrapes = [(phases.uniform(0, config.scrape_interval), pod) for pod in pods]
-        heapq.heapify(self.scrapes)
-        # The pickers start with one snapshot of the idle fleet, as a ready picker has.
-        self.scraped = [self.view(pod) for pod in pods]
-        self.delivered = list(self.scraped)
-        self.dirty = [False] * config.pods
+        self.phases = random.Random(f"scrape-phase/{seed}")
+        count = len(requests)
+        self.outcomes: list[Outcome | None] = [None] * count
+        self.records: list[Request | None] = [None] * count
+        self.owner: dict[int, tuple[_Replica, Routed, int]] = {}  # id(engine request) -> routing
+        self.unfinished = count  # requests yet to arrive, to be answered or to finish
+        self.end_time = 0.0  # when the last request ended
 
-    def view(self, pod: int) -> PodView:
-        """What a scrape of ``pod`` shows now, as the picker's ``PodView``."""
+    # --- snapshots ---------------------------------------------------------------------------
+
+    def _metrics(self, pod: int, now: float) -> bytes:
+        """A scrape of ``pod`` now, encoded as the collector publishes it."""
         snapshot = self.engines[pod].snapshot()
-        return PodView(
-            name=self.names[pod],
-            address=f"10.0.0.{pod + 1}:8000",
+        self.seq[pod] += 1
+        return encode(PodMetrics(
+            pool=POOL,
+            pod=self.names[pod],
+            address=f"{_address(pod)}:{PORT}",
+            seq=self.seq[pod],
+            scrape_time_ns=round(now * 1e9),
+            scrape_duration_s=0.0,
+            ok=True,
             waiting=snapshot.waiting,
             running=snapshot.running,
             kv_cache_usage=snapshot.kv_cache_usage,
-            running_adapters=snapshot.running_adapters,
-            waiting_adapters=snapshot.waiting_adapters,
-            max_lora=snapshot.max_lora,
-        )
+            running_adapters=tuple(sorted(snapshot.running_adapters)),
+            waiting_adapters=tuple(sorted(snapshot.waiting_adapters)),
+            max_lora=snapshot.max_lora or None,
+            block_size=snapshot.block_size,
+            num_gpu_blocks=snapshot.num_gpu_blocks,
+        ))
+
+    def _scrape(self, now: float, pod: int) -> None:
+        if self.unfinished:  # the collector scrapes on while any request is to come or running
+            self.loop.at(now + self.config.scrape_interval, SCRAPE, self._scrape, pod)
+        self.loop.at(now + self.config.propagation_delay, DELIVERY, self._deliver,
+                     (pod, self._metrics(pod, now)))
+
+    def _deliver(self, now: float, message: tuple[int, bytes]) -> None:
+        pod, data = message
+        subject = f"lig.metrics.{POOL}.{self.names[pod]}"
+        for replica in self.replicas:
+            replica.sink.accept(subject, data)
+
+    # --- shared decisions ----------------------------------------------------------------------
+
+    def _sharer(self, source: int) -> Callable[[str, Any], None]:
+        """The ``on_decision`` callback of replica ``source``: its peers apply the event after
+        ``decision_delay``."""
+        from shared.schemas import DecisionBatch  # only with the decision stream
+
+        picker = _picker_id(source)
+
+        def share(pool: str, event: Any) -> None:
+            batch = DecisionBatch(picker=picker, pool=pool,
+                                  sent_at_ns=round(self.clock.now() * 1e9), events=[event])
+            self.loop.at(self.clock.now() + self.config.decision_delay, DELIVERY,
+                         self._apply_peer, (source, batch))
+
+        return share
+
+    def _apply_peer(self, now: float, message: tuple[int, Any]) -> None:
+        source, batch = message
+        for number, replica in enumerate(self.replicas):
+            if number != source:
+                replica.gateway.apply_peer(batch)  # type: ignore[attr-defined]
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def _arrive(self, now: float, index: int) -> None:
+        requests = self.requests
+        following = index + 1
+        while following < len(requests) and requests[following].after >= 0:
+            following += 1  # follow-up turns arrive after their answers, not in this sequence
+        if following < len(requests):
+            self.loop.at(requests[following].time, ARRIVAL, self._arrive, following)
+        self._route(now, index)
+
+    def _route(self, now: float, index: int) -> None:
+        request = self.requests[index]
+        replicas = self.replicas
+        replica = replicas[self.spread.randrange(len(replicas))] if len(replicas) > 1 else (
+            replicas[0])
+        if self.config.oracle:
+            subject = f"lig.metrics.{POOL}"
+            for pod in range(len(self.engines)):
+                replica.sink.accept(subject, self._metrics(pod, now))
+        routed = replica.gateway.route(request.body(), None, request.objective)
+        if isinstance(routed, Rejected):
+            if routed.status not in (429, 503):
+                raise RuntimeError(f"the picker refused bench request {request.spec.request_id}: "
+                                   f"{routed.status} {routed.body.decode(errors='replace')}")
+            self._done(now, index, Outcome.SHED if routed.status == 429 else Outcome.NO_POD)
+            return
+        pod = self.index[routed.pod]
+        adapter = None if routed.target_model == BASE_MODEL else routed.target_model
+        spec = request.spec
+        if spec.adapter != adapter:
+            spec = msgspec.structs.replace(spec, adapter=adapter)
+        try:
+            record = self.engines[pod].submit(spec)
+        except RequestRejected:
+            self._done(now, index, Outcome.REJECTED)
+            return
+        self.outcomes[index] = Outcome.COMPLETED
+        self.records[index] = record
+        self.owner[id(record)] = (replica, routed, index)
+        replica.gateway.started(routed)
+        self.loop.kick(pod)
+
+    def _done(self, now: float, index: int, outcome: Outcome) -> None:
+        """Request ``index`` ended (``outcome``); its conversation's next turn comes after the
+        think time."""
+        if outcome is not Outcome.COMPLETED:
+            self.outcomes[index] = outcome
+        self.unfinished -= 1
+        self.end_time = now
+        request = self.requests[index]
+        if request.then >= 0:
+            self.loop.at(now + self.requests[request.then].think, ARRIVAL, self._route,
+                         request.then)
+
+    def _stepped(self, pod: int, result: StepResult) -> None:
+        now = self.clock.now()
+        for record in result.finished:
+            replica, routed, index = self.owner.pop(id(record))
+            replica.gateway.finished(routed)
+            self._done(now, index, Outcome.COMPLETED)
 
     def run(self) -> FleetRun:
         wall_start = time.perf_counter()
-        requests, engines, clock = self.requests, self.engines, self.clock
-        interval, delay = self.config.scrape_interval, self.config.propagation_delay
-        pickers, spread = self.pickers, self.spread.randrange
-        scrapes, scraped, delivered, dirty = self.scrapes, self.scraped, self.delivered, self.dirty
-        deliveries: deque[tuple[float, int, PodView]] = deque()
-        ends: list[tuple[float, int]] = []
-        busy = [False] * len(engines)
-        owner: dict[int, PickerReplica] = {}  # id(engine request) -> replica that routed it
-        outcomes: list[Outcome] = []
-        records: list[Request | None] = []
-        count, position = len(requests), 0
-        inf = math.inf
-        while position < count or ends:
-            next_arrival = requests[position].time if position < count else inf
-            next_end = ends[0][0] if ends else inf
-            next_delivery = deliveries[0][0] if deliveries else inf
-            now = min(next_arrival, next_end, scrapes[0][0], next_delivery)
-            clock.advance_to(now)
-            kicked: list[int] = []
-            while ends and ends[0][0] <= now:
-                pod = heapq.heappop(ends)[1]
-                result = engines[pod].finish_step()
-                busy[pod] = False
-                dirty[pod] = True
-                for request in result.finished:
-                    owner.pop(id(request)).ended(self.names[pod])
-                kicked.append(pod)
-            while scrapes[0][0] <= now:
-                when, pod = scrapes[0]
-                heapq.heapreplace(scrapes, (when + interval, pod))
-                if dirty[pod]:
-                    scraped[pod] = self.view(pod)
-                    dirty[pod] = False
-                    deliveries.append((now + delay, pod, scraped[pod]))
-            while deliveries and deliveries[0][0] <= now:
-                _, pod, view = deliveries.popleft()
-                delivered[pod] = view
-                for picker in pickers:
-                    picker.unreported.reported(view.name)
-            while position < count and requests[position].time <= now:
-                bench_request = requests[position]
-                position += 1
-                picker = pickers[spread(len(pickers))] if len(pickers) > 1 else pickers[0]
-                decision = picker.policy.schedule(bench_request.scheduling, picker.views(delivered))
-                if decision.pick is None:
-                    outcomes.append(Outcome.SHED if decision.shed else Outcome.NO_POD)
-                    records.append(None)
-                    continue
-                pod = self.index[decision.pick.name]
-                try:
-                    request = engines[pod].submit(bench_request.spec)
-                except RequestRejected:
-                    outcomes.append(Outcome.REJECTED)
-                    records.append(None)
-                    continue
-                outcomes.append(Outcome.COMPLETED)
-                records.append(request)
-                owner[id(request)] = picker
-                picker.sent(decision.pick.name)
-                dirty[pod] = True
-                kicked.append(pod)
-            for pod in kicked:
-                if not busy[pod]:
-                    plan = engines[pod].begin_step()
-                    if plan is not None:
-                        busy[pod] = True
-                        dirty[pod] = True
-                        heapq.heappush(ends, (plan.end, pod))
-        if any(engine.has_work for engine in engines):
+        interval = self.config.scrape_interval
+        # The pickers start with one snapshot of the idle fleet, as a ready picker has.
+        for pod in range(len(self.engines)):
+            self._deliver(0.0, (pod, self._metrics(pod, 0.0)))
+            self.loop.at(self.phases.uniform(0, interval), SCRAPE, self._scrape, pod)
+        first = next((index for index, request in enumerate(self.requests) if request.after < 0),
+                     None)
+        if first is not None:
+            self.loop.at(self.requests[first].time, ARRIVAL, self._arrive, first)
+        self.loop.run()
+        if self.unfinished or any(engine.has_work for engine in self.engines):
             raise RuntimeError("the simulation stopped with requests left in an engine")
+        outcomes = [outcome for outcome in self.outcomes if outcome is not None]
         return FleetRun(
-            requests=requests,
+            requests=self.requests,
             outcomes=outcomes,
-            records=records,
-            counters=[msgspec.structs.replace(engine.counters) for engine in engines],
-            end_time=clock.now(),
+            records=self.records,
+            counters=[msgspec.structs.replace(engine.counters) for engine in self.engines],
+            end_time=self.end_time,
             wall_seconds=time.perf_counter() - wall_start,
+            shared_decisions=self.shared,
         )

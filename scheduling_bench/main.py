@@ -21,7 +21,14 @@ import msgspec
 
 from scheduling import PolicyConfigError, build_policy, policy_names
 from scheduling_bench import default_sweep, report
-from scheduling_bench.runner import RAW_SUFFIX, Point, parse_policy, run_points
+from scheduling_bench.runner import (
+    DEFAULT_POLICY,
+    ORACLE_SUFFIX,
+    RAW_SUFFIX,
+    Point,
+    parse_policy,
+    run_points,
+)
 from scheduling_bench.workloads import WORKLOADS, TraceError, Workload, read_trace
 from simulator.profiles import DEFAULT_PROFILE, load_profile
 
@@ -65,13 +72,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=",".join(default_sweep.POLICIES),
-        help=f"comma-separated policy names (known: {', '.join(policy_names())}); a name "
-        f"ending in {RAW_SUFFIX} runs without the pickers' load estimate, on the scraped "
-        "metrics alone (lig picker --no-load-estimate, as upstream)",
+        help=f"comma-separated policy names (known: {', '.join(policy_names())}); "
+        f"'{DEFAULT_POLICY}' is the policy lig picker runs by default; a name ending in "
+        f"{RAW_SUFFIX} runs without the pickers' load estimate, on the scraped metrics alone "
+        f"(lig picker --no-load-estimate, as upstream); one ending in {ORACLE_SUFFIX} decides "
+        "on every pod's exact state at decision time (no scrape delay): the bound no real "
+        "picker can beat",
     )
     parser.add_argument("--rates", default="100,200,300", help="comma-separated requests/s")
     parser.add_argument("--pods", type=int, default=8, help="simulated vLLM pods")
     parser.add_argument("--pickers", type=int, default=1, help="picker replicas")
+    parser.add_argument(
+        "--decision-delay",
+        type=float,
+        default=0.002,
+        help="seconds until a picker replica's decisions reach the other replicas (the "
+        "decision stream's batching and NATS hop)",
+    )
+    parser.add_argument(
+        "--no-shared-decisions",
+        dest="shared_decisions",
+        action="store_false",
+        help="replicas do not share decisions, each counts only its own requests "
+        "(lig picker --no-shared-decisions)",
+    )
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     parser.add_argument("--seed", type=int, default=1, help="seeds every random stream")
     parser.add_argument(
@@ -120,20 +144,23 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace) -> int:
     workload = _workload(args)
     labels = [name.strip() for name in args.policies.split(",") if name.strip()]
-    policies = [parse_policy(label) for label in labels]
-    for policy, _ in policies:  # fail on a bad name before any run starts
-        build_policy(policy, random.Random(0))
+    choices = [parse_policy(label) for label in labels]
+    for choice in choices:  # fail on a bad name before any run starts
+        build_policy(choice.policy, random.Random(0))
     rates = _numbers(args.rates, "--rates")
     if args.pods < 1 or args.pickers < 1 or args.duration <= 0 or args.jobs < 1:
         raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
+    if args.decision_delay < 0:
+        raise UsageError("--decision-delay must be >= 0")
     profile = load_profile(args.profile)
     if not args.no_plots:
         _require_matplotlib()
     points = [
         Point(
             workload=workload,
-            policy=policy,
-            load_estimate=load_estimate,
+            **choice.fields(),
+            shared_decisions=args.shared_decisions,
+            decision_delay=args.decision_delay,
             rate=rate,
             duration=args.duration,
             seed=args.seed,
@@ -144,7 +171,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
             profile=profile,
         )
         for rate in rates
-        for policy, load_estimate in policies
+        for choice in choices
     ]
     results = run_points(points, jobs=args.jobs)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,8 @@ def markdown_table(results: Sequence[RunMetrics]) -> str:
     lines = [
         "| rate (req/s) | policy | completed | shed | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 "
         "| ITL p99 | E2E p50 | E2E p99 | output tok/s | preemptions | adapter loads "
-        "| prefix hit |",
-        "|---:|---|" + "---:|" * 13,
+        "| prefix hit | prompt tokens computed |",
+        "|---:|---|" + "---:|" * 14,
     ]
     for r in _ordered(results):
         latencies = (r.ttft.p50, r.ttft.p90, r.ttft.p99, r.itl.p50, r.itl.p99, r.e2e.p50, r.e2e.p99)
@@ -39,7 +39,7 @@ def markdown_table(results: Sequence[RunMetrics]) -> str:
             f"| {r.rate:g} | {r.policy} | {r.completed} | {r.shed} | "
             + " | ".join(format_seconds(value) for value in latencies)
             + f" | {r.output_tokens_per_s:.0f} | {r.preemptions} | {r.adapter_loads} "
-            f"| {r.prefix_cache_hit_rate:.1%} |"
+            f"| {r.prefix_cache_hit_rate:.1%} | {r.computed_prompt_tokens / 1e6:.2f} M |"
         )
     return "\n".join(lines) + "\n"
 
@@ -116,8 +116,8 @@ def plot(results: Sequence[RunMetrics], title: str, path: Path) -> None:
         lines = []
         for policy in policies:
             runs = sorted((r for r in results if r.policy == policy), key=lambda r: r.rate)
-            points = [(r.rate, value(r)) for r in runs]
-            lines.append((policy, [(x, y) for x, y in points if y is not None]))
+            measured = [(r.rate, value(r)) for r in runs]
+            lines.append((policy, [(x, y) for x, y in measured if y is not None]))
         values = [y for _, points in lines for _, y in points]
         # A log axis only where values span a decade; it needs them positive.
         logarithmic = logarithmic and min(values, default=0) > 0

@@ -61,6 +61,8 @@ class RunMetrics(msgspec.Struct, frozen=True):
     itl: Percentiles
     e2e: Percentiles
     prompt_tokens: int
+    computed_prompt_tokens: int
+    """Prompt tokens the engines computed: not found in their prefix cache (first scheduling)."""
     output_tokens: int
     output_tokens_per_s: float
     """Output tokens over the virtual time from the start until the last request ended."""
@@ -73,6 +75,10 @@ class RunMetrics(msgspec.Struct, frozen=True):
     sim_seconds: float
     """Virtual time when the last request ended."""
     wall_seconds: float
+    shared_decisions: bool = False
+    """Picker replicas applied each other's decisions (the decision stream)."""
+    decision_delay: float = 0.0
+    """Seconds a decision took to reach the other replicas, when shared."""
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float | None:
@@ -102,17 +108,18 @@ def summarize(
     scrape_interval: float,
     propagation_delay: float,
     seed: int,
+    decision_delay: float = 0.0,
 ) -> RunMetrics:
     """Reduce a run to its :class:`RunMetrics`."""
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
     classes = {criticality: _ClassTally() for criticality in Criticality}
-    prompt_tokens = output_tokens = 0
+    prompt_tokens = output_tokens = computed = 0
     counts = dict.fromkeys(Outcome, 0)
     for bench_request, outcome, record in zip(run.requests, run.outcomes, run.records, strict=True):
         counts[outcome] += 1
-        tally = classes[bench_request.scheduling.criticality]
+        tally = classes[bench_request.criticality]
         tally.requests += 1
         if outcome is Outcome.SHED:
             tally.shed += 1
@@ -128,6 +135,7 @@ def summarize(
         tally.ttft.append(first - arrived)
         tally.e2e.append(last - arrived)
         prompt_tokens += record.num_prompt_tokens
+        computed += record.num_prompt_tokens - max(record.num_cached_tokens, 0)
         output_tokens += record.num_output
     hits = sum(counters.prefix_cache_hits for counters in run.counters)
     queries = sum(counters.prefix_cache_queries for counters in run.counters)
@@ -150,6 +158,7 @@ def summarize(
         itl=percentiles(itl),
         e2e=percentiles(e2e),
         prompt_tokens=prompt_tokens,
+        computed_prompt_tokens=computed,
         output_tokens=output_tokens,
         output_tokens_per_s=output_tokens / run.end_time if run.end_time > 0 else 0.0,
         preemptions=sum(counters.preemptions for counters in run.counters),
@@ -160,6 +169,8 @@ def summarize(
         },
         sim_seconds=run.end_time,
         wall_seconds=run.wall_seconds,
+        shared_decisions=run.shared_decisions,
+        decision_delay=decision_delay if run.shared_decisions else 0.0,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import TypedDict
 
 import msgspec
 
@@ -22,6 +23,11 @@ from simulator.profiles import DEFAULT_PROFILE, PROFILES, Profile
 RAW_SUFFIX = "+raw"
 """A policy name ending in this runs without the pickers' load estimate, on the scraped metrics
 alone (``lig picker --no-load-estimate``, upstream's behaviour): ``filter-tree+raw``."""
+ORACLE_SUFFIX = "+oracle"
+"""A policy name ending in this decides on every pod's exact state at decision time (no scrape
+delay): ``default+oracle``, the bound no real picker can beat."""
+DEFAULT_POLICY = "default"
+"""The policy name meaning whatever ``lig picker`` runs when its pool names no policy."""
 
 
 class Point(msgspec.Struct, frozen=True):
@@ -38,17 +44,55 @@ class Point(msgspec.Struct, frozen=True):
     propagation_delay: float = 0.005
     profile: Profile = PROFILES[DEFAULT_PROFILE]
     load_estimate: bool = True
+    oracle: bool = False
+    shared_decisions: bool = True
+    decision_delay: float = 0.002
+    alias: str | None = None
+    """The name the policy was asked by (``default``), when not its own."""
 
     @property
     def label(self) -> str:
-        """The policy as results name it: its name, with ``+raw`` when the estimate is off."""
-        return self.policy.name + ("" if self.load_estimate else RAW_SUFFIX)
+        """The policy as results name it: its name (or alias), with ``+raw`` when the estimate
+        is off and ``+oracle`` when it decides on exact state."""
+        return ((self.alias or self.policy.name) + ("" if self.load_estimate else RAW_SUFFIX)
+                + (ORACLE_SUFFIX if self.oracle else ""))
 
 
-def parse_policy(label: str) -> tuple[PolicyConfig, bool]:
-    """``filter-tree`` -> (its default config, estimate on); ``filter-tree+raw`` -> off."""
-    name = label.removesuffix(RAW_SUFFIX)
-    return PolicyConfig(name=name), name == label
+class PolicyFields(TypedDict):
+    """The :class:`Point` fields a policy label sets (typed, for ``Point(**fields)``)."""
+
+    policy: PolicyConfig
+    load_estimate: bool
+    oracle: bool
+    alias: str | None
+
+
+class PolicyChoice(msgspec.Struct, frozen=True):
+    """A policy label read: the configuration and how the pickers run it."""
+
+    policy: PolicyConfig
+    load_estimate: bool = True
+    oracle: bool = False
+    alias: str | None = None
+
+    def fields(self) -> PolicyFields:
+        """The :class:`Point` fields this choice sets."""
+        return PolicyFields(policy=self.policy, load_estimate=self.load_estimate,
+                            oracle=self.oracle, alias=self.alias)
+
+
+def parse_policy(label: str) -> PolicyChoice:
+    """``filter-tree`` -> its default config; ``+raw`` turns the estimate off, ``+oracle`` gives
+    exact state (in any order); ``default`` is the picker's default policy (``PolicyConfig()``)."""
+    name, raw, oracle = label, False, False
+    while name.endswith((RAW_SUFFIX, ORACLE_SUFFIX)):
+        if name.endswith(RAW_SUFFIX):
+            name, raw = name.removesuffix(RAW_SUFFIX), True
+        else:
+            name, oracle = name.removesuffix(ORACLE_SUFFIX), True
+    if name == DEFAULT_POLICY:
+        return PolicyChoice(PolicyConfig(), not raw, oracle, DEFAULT_POLICY)
+    return PolicyChoice(PolicyConfig(name=name), not raw, oracle)
 
 
 def engine_config(workload: Workload, profile: Profile) -> EngineConfig:
@@ -71,6 +115,9 @@ def run_point(point: Point) -> RunMetrics:
         scrape_interval=point.scrape_interval,
         propagation_delay=point.propagation_delay,
         load_estimate=point.load_estimate,
+        oracle=point.oracle,
+        shared_decisions=point.shared_decisions,
+        decision_delay=point.decision_delay,
         engine=engine_config(point.workload, point.profile),
     )
     run = simulate(requests, point.policy, config, point.seed)
@@ -84,6 +131,7 @@ def run_point(point: Point) -> RunMetrics:
         scrape_interval=point.scrape_interval,
         propagation_delay=point.propagation_delay,
         seed=point.seed,
+        decision_delay=point.decision_delay,
     )
 
 

@@ -1,5 +1,6 @@
 """Seeded request streams: when each request arrives, how long its prompt and answer are, which
-LoRA adapter it asks for, how critical it is and which system prompt it shares.
+LoRA adapter it asks for, how critical it is, which system prompt it shares, and (multi-turn) which
+conversation it continues.
 
 A workload is data (:class:`Workload`); :func:`generate` turns it, a rate, a duration and a seed
 into the list of requests a run plays. Arrival times and request contents come from separate
@@ -25,15 +26,16 @@ from pathlib import Path
 
 import msgspec
 
-from scheduling import SchedulingRequest
+from scheduling_bench.prompts import request_body
 from shared.schemas import Criticality
 from simulator.engine import RequestSpec, SyntheticPrompt
 
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 # Seeds of SyntheticPrompt segments: system prompts are negative, request-own text is positive,
-# so the two never produce equal token blocks.
+# so the two never produce equal token blocks; a multi-turn answer's text is far above both.
 _OWN_TEXT_SEED = 1
+_ANSWER_SEED = 1 << 40
 
 
 class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -69,14 +71,24 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     critical_fraction: float = 0.0
     sheddable_fraction: float = 0.0
     """Shares of Critical and Sheddable requests; the rest are Standard."""
+    turns: int = 1
+    """Requests per conversation. Above 1, each turn's prompt is the whole conversation so far
+    (earlier messages and answers) plus a new user message of the drawn prompt length; the rate
+    counts requests, so conversations start at ``rate / turns``."""
+    think_time: float = 0.0
+    """Mean seconds (exponential) between a turn's answer and the next turn's arrival."""
+    chat: bool = True
+    """Requests are chat completions (a message list); False: completions (one prompt text)."""
 
     def validate(self) -> Workload:
         """Return self, or raise ValueError naming the first field that cannot work."""
-        positive = ("burstiness", "prompt_median", "output_median", "max_prompt", "max_output")
+        positive = ("burstiness", "prompt_median", "output_median", "max_prompt", "max_output",
+                    "turns")
         for field in positive:
             if not getattr(self, field) > 0:
                 raise ValueError(f"workload {self.name}: {field} must be > 0")
-        for field in ("prompt_sigma", "output_sigma", "zipf", "prefix_groups", "prefix_tokens"):
+        for field in ("prompt_sigma", "output_sigma", "zipf", "prefix_groups", "prefix_tokens",
+                      "think_time"):
             if getattr(self, field) < 0:
                 raise ValueError(f"workload {self.name}: {field} must be >= 0")
         if self.adapters < 0 or self.max_loras < 1:
@@ -100,7 +112,9 @@ WORKLOADS: dict[str, Workload] = {
     ),
     "trace": Workload(
         name="trace",
-        description="replay of a trace CSV (the Azure conversation trace), rescaled to the rate",
+        description="replay of a trace CSV (the Azure conversation trace), rescaled to the rate, "
+        "as completion requests",
+        chat=False,
     ),
     "multi-lora": Workload(
         name="multi-lora",
@@ -119,15 +133,57 @@ WORKLOADS: dict[str, Workload] = {
         critical_fraction=0.2,
         sheddable_fraction=0.3,
     ),
+    "multi-turn": Workload(
+        name="multi-turn",
+        description="conversations of 6 turns: each prompt is the conversation so far plus a "
+        "new message (median 300 tokens), the next turn 5 s (mean) after the answer",
+        prompt_median=300.0,
+        turns=6,
+        think_time=5.0,
+    ),
 }
 
 
 class BenchRequest(msgspec.Struct, frozen=True):
-    """One request of a run: when it arrives, what the engine computes, what the picker sees."""
+    """One request of a run: when it arrives, what the engine computes, what the client sends.
+
+    The picker reads the request as a client sends it: an OpenAI body for ``model`` whose prompt
+    is ``spec.prompt``'s text (:meth:`body`), and the InferenceObjective header naming its
+    criticality. ``spec.adapter`` is the adapter the body asks for; the fleet submits the
+    picker's resolved target instead.
+    """
 
     time: float
+    """Arrival (seconds from the start); for a follow-up turn, NaN (it comes ``think`` seconds
+    after the answer to request ``after``)."""
     spec: RequestSpec
-    scheduling: SchedulingRequest
+    model: str
+    criticality: Criticality
+    roles: tuple[str, ...] | None = None
+    """The role of each prompt segment's message (chat); None: a completion request."""
+    after: int = -1
+    """Index of the turn this one follows (-1: it arrives at ``time``)."""
+    think: float = 0.0
+    then: int = -1
+    """Index of the next turn of the conversation (-1: none)."""
+
+    def body(self) -> bytes:
+        """The JSON body the client sends."""
+        prompt = self.spec.prompt
+        if not isinstance(prompt, SyntheticPrompt):  # the bench generates synthetic text only
+            raise TypeError("a bench request's prompt is synthetic text, not token ids")
+        return request_body(self.model, prompt, self.roles, self.spec.max_tokens)
+
+    @property
+    def objective(self) -> str:
+        """The InferenceObjective header value naming this request's criticality."""
+        return OBJECTIVES[self.criticality]
+
+
+OBJECTIVES: dict[Criticality, str] = {
+    criticality: criticality.value.lower() for criticality in Criticality
+}
+"""The InferenceObjective names the benchmark's pool defines, one per criticality."""
 
 
 class TraceRow(msgspec.Struct, frozen=True):
@@ -218,21 +274,18 @@ def generate(workload: Workload, rate: float, duration: float, seed: int) -> lis
     cumulative = list(
         itertools.accumulate(1.0 / (k + 1) ** workload.zipf for k in range(len(adapters)))
     )
+    if workload.turns > 1:
+        return _conversations(workload, times, lengths, content_rng, adapters, cumulative,
+                              rate, duration)
     requests = []
     for index, (time, (prompt, output)) in enumerate(zip(times, lengths, strict=False)):
         if time >= duration:
             break
-        # Draw every choice for every request, so that a workload's options do not shift the
-        # random stream of the others.
-        adapter_draw, class_draw, group_draw = (content_rng.random() for _ in range(3))
-        adapter = None
-        if adapters:
-            adapter = adapters[bisect.bisect_right(cumulative, adapter_draw * cumulative[-1])]
-        segments = ((_OWN_TEXT_SEED + index, prompt),)
-        if workload.prefix_groups:
-            group = int(group_draw * workload.prefix_groups)
-            segments = ((-1 - group, workload.prefix_tokens), *segments)
-        target = adapter or BASE_MODEL
+        adapter, criticality, system = _draws(workload, content_rng, adapters, cumulative)
+        segments: tuple[tuple[int, int], ...] = ((_OWN_TEXT_SEED + index, prompt),)
+        roles: tuple[str, ...] = ("user",)
+        if system is not None:
+            segments, roles = (system, *segments), ("system", *roles)
         requests.append(
             BenchRequest(
                 time=time,
@@ -242,9 +295,76 @@ def generate(workload: Workload, rate: float, duration: float, seed: int) -> lis
                     max_tokens=output,
                     adapter=adapter,
                 ),
-                scheduling=SchedulingRequest(target, target, _criticality(workload, class_draw)),
+                model=adapter or BASE_MODEL,
+                criticality=criticality,
+                roles=roles if workload.chat else None,
             )
         )
+    return requests
+
+
+def _draws(workload: Workload, rng: random.Random, adapters: tuple[str, ...],
+           cumulative: list[float]) -> tuple[str | None, Criticality, tuple[int, int] | None]:
+    """A request's adapter, criticality and shared system prompt segment.
+
+    Every choice is drawn for every request, so that a workload's options do not shift the random
+    stream of the others.
+    """
+    adapter_draw, class_draw, group_draw = (rng.random() for _ in range(3))
+    adapter = None
+    if adapters:
+        adapter = adapters[bisect.bisect_right(cumulative, adapter_draw * cumulative[-1])]
+    system = None
+    if workload.prefix_groups:
+        group = int(group_draw * workload.prefix_groups)
+        system = (-1 - group, workload.prefix_tokens)
+    return adapter, _criticality(workload, class_draw), system
+
+
+def _conversations(workload: Workload, times: Iterator[float],
+                   lengths: Iterator[tuple[int, int]], rng: random.Random,
+                   adapters: tuple[str, ...], cumulative: list[float], rate: float,
+                   duration: float) -> list[BenchRequest]:
+    """Multi-turn requests: conversations start at ``rate / turns`` (``times`` is drawn at
+    ``rate``, so every ``turns``-th arrival starts one); each turn's prompt is the conversation so
+    far (answers as segments of their own seed) plus a new user message, capped at
+    ``max_prompt`` tokens by ending the conversation early."""
+    requests: list[BenchRequest] = []
+    turns = workload.turns
+    for conversation, time in enumerate(itertools.islice(times, turns - 1, None, turns)):
+        if time >= duration:
+            break
+        adapter, criticality, system = _draws(workload, rng, adapters, cumulative)
+        segments: tuple[tuple[int, int], ...] = () if system is None else (system,)
+        roles: tuple[str, ...] = () if system is None else ("system",)
+        for turn in range(turns):
+            prompt, output = next(lengths)
+            index = len(requests)
+            segments = (*segments, (_OWN_TEXT_SEED + index, prompt))
+            roles = (*roles, "user")
+            if sum(length for _, length in segments) > workload.max_prompt:
+                break
+            think = rng.expovariate(1.0 / workload.think_time) if workload.think_time else 0.0
+            if turn:
+                requests[-1] = msgspec.structs.replace(requests[-1], then=index)
+            requests.append(
+                BenchRequest(
+                    time=time if turn == 0 else math.nan,
+                    spec=RequestSpec(
+                        request_id=f"c{conversation}t{turn}",
+                        prompt=SyntheticPrompt(segments),
+                        max_tokens=output,
+                        adapter=adapter,
+                    ),
+                    model=adapter or BASE_MODEL,
+                    criticality=criticality,
+                    roles=roles if workload.chat else None,
+                    after=index - 1 if turn else -1,
+                    think=think,
+                )
+            )
+            segments = (*segments, (_ANSWER_SEED + index, output))
+            roles = (*roles, "assistant")
     return requests
 
 

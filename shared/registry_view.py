@@ -17,14 +17,24 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
-from shared.schemas import DecodeError, EndpointSet, InferenceModel, InferencePool, decode
+from shared.schemas import (
+    DecodeError,
+    EndpointSet,
+    InferenceModel,
+    InferencePool,
+    Versioned,
+    decode,
+)
 from shared.subjects import unescape_token
+
+V = TypeVar("V", bound=Versioned)
 
 log = logging.getLogger("lig.registry_view")
 
@@ -81,7 +91,7 @@ class RegistryView:
             raise DecodeError(f"unknown registry key {key!r}")
 
     @staticmethod
-    def _set(table: dict, name: str, value: bytes | None, message_type: type) -> None:
+    def _set(table: dict[str, V], name: str, value: bytes | None, message_type: type[V]) -> None:
         if value is None:
             table.pop(name, None)
         else:

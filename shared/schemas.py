@@ -7,7 +7,7 @@ versions so that a mixed-version fleet fails loudly instead of misreading fields
 from __future__ import annotations
 
 import enum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -184,7 +184,16 @@ class DecodeError(ValueError):
     """A NATS payload could not be decoded into the expected message type."""
 
 
-M = TypeVar("M", bound=msgspec.Struct)
+class Versioned(Protocol):
+    """What :func:`decode` needs of a message type: every wire Struct above carries ``schema``."""
+
+    @property
+    def schema(self) -> int:
+        """The version of this file's contract the sender wrote."""
+        ...
+
+
+M = TypeVar("M", bound=Versioned)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
@@ -201,11 +210,11 @@ def decode(data: bytes, message_type: type[M]) -> M:
     if decoder is None:
         decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
     try:
-        message = decoder.decode(data)
+        message: M = decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DecodeError(f"undecodable {message_type.__name__}: {exc}") from exc
-    if message.schema != SCHEMA_VERSION:  # type: ignore[attr-defined]
+    if message.schema != SCHEMA_VERSION:
         raise DecodeError(
-            f"{message_type.__name__} has schema {message.schema}, expected {SCHEMA_VERSION}"  # type: ignore[attr-defined]
+            f"{message_type.__name__} has schema {message.schema}, expected {SCHEMA_VERSION}"
         )
     return message

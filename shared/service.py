@@ -8,10 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is absent only on platforms we do not ship for
-    uvloop = None
+import uvloop
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
@@ -28,9 +25,7 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
                 loop.add_signal_handler(sig, stop.set)
         return await main(stop) or 0
 
-    if uvloop is not None:
-        return uvloop.run(runner())
-    return asyncio.run(runner())
+    return uvloop.run(runner())
 
 
 async def cancel_and_wait(task: asyncio.Task[Any], grace: float = 1.5) -> None:

@@ -17,6 +17,10 @@ perfectly fresh metrics; 0.05 = a 50 ms scrape interval). Without a router: roun
 At each instant the driver first ends the steps that end then, then submits the arrivals of that
 instant, then begins a step on every idle pod with work. The real-time driver keeps the same
 order, so the same arrivals and seed give the same token timeline in both.
+
+The loop itself is :class:`EventLoop`: engine steps plus any timed events on one clock.
+``VirtualFleet`` puts its arrivals on it; ``lig bench`` (``scheduling_bench/fleet.py``) puts its
+arrivals, scrapes, snapshot deliveries and picker replicas' shared decisions on the same loop.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -141,62 +146,112 @@ class VirtualFleet:
         wall_start = time.perf_counter()
         ordered = sorted(arrivals, key=lambda arrival: arrival.time)
         engines = self.engines
-        clock = self.clock
-        busy = [False] * len(engines)
-        ends: list[tuple[float, int]] = []
+        loop = EventLoop(engines, self.clock, on_step)
         records: list[tuple[int, Arrival, Request | None, str | None]] = []
         snapshots: list[EngineSnapshot] = []
         snapshot_time = -math.inf
         next_pod = 0
-        position = 0
-        count = len(ordered)
-        while True:
-            next_arrival = ordered[position].time if position < count else math.inf
-            next_end = ends[0][0] if ends else math.inf
-            now = min(next_arrival, next_end)
-            if now == math.inf:
-                break
+
+        def arrive(now: float, position: int) -> None:
+            nonlocal snapshots, snapshot_time, next_pod
+            arrival = ordered[position]
+            if position + 1 < len(ordered):
+                loop.at(ordered[position + 1].time, ARRIVAL, arrive, position + 1)
+            pod = arrival.pod
+            if pod is None:
+                if router is None:
+                    pod = next_pod
+                    next_pod = (next_pod + 1) % len(engines)
+                else:
+                    if now - snapshot_time >= snapshot_interval or not snapshots:
+                        snapshots = self.snapshots()
+                        snapshot_time = now
+                    pod = router(arrival, snapshots)
+            try:
+                request = engines[pod].submit(arrival.spec)
+            except RequestRejected as error:
+                records.append((pod, arrival, None, str(error)))
+                return
+            records.append((pod, arrival, request, None))
+            loop.kick(pod)
+
+        if ordered:
+            loop.at(ordered[0].time, ARRIVAL, arrive, 0)
+        loop.run()
+        return RunResult(
+            requests=tuple(_result(*record) for record in records),
+            pods=tuple(msgspec.structs.replace(engine.counters) for engine in engines),
+            end_time=self.clock.now(),
+            wall_seconds=time.perf_counter() - wall_start,
+        )
+
+
+# Orders of events at the same instant (after the steps that end then): the collector's
+# scrapes, then deliveries of what was sent earlier (snapshots, peers' decisions), then arrivals.
+SCRAPE, DELIVERY, ARRIVAL = 0, 1, 2
+
+Event = Callable[[float, Any], None]
+
+
+class EventLoop:
+    """The one discrete-event loop of a virtual run: engine steps and timed events, one clock.
+
+    At each instant it ends the steps that end then (``on_step`` sees each), runs the events due
+    (by ``order``, then in the order they were scheduled; an event may schedule more at the same
+    instant), then begins a step on every idle pod that was :meth:`kick`-ed. It returns when no
+    step and no event is left. Used by :class:`VirtualFleet` and by ``lig bench``'s fleet.
+    """
+
+    def __init__(self, engines: Sequence[Engine], clock: VirtualClock,
+                 on_step: StepObserver | None = None) -> None:
+        self.engines = engines
+        self.clock = clock
+        self.on_step = on_step
+        self._events: list[tuple[float, int, int, Event, Any]] = []
+        self._serial = 0
+        self._ends: list[tuple[float, int]] = []
+        self._busy = [False] * len(engines)
+        self._kicked: list[int] = []
+
+    def at(self, when: float, order: int, event: Event, argument: Any = None) -> None:
+        """Run ``event(now, argument)`` at virtual time ``when`` (not before the present)."""
+        self._serial += 1
+        heapq.heappush(self._events, (when, order, self._serial, event, argument))
+
+    def kick(self, pod: int) -> None:
+        """Pod ``pod`` may have new work: begin a step on it at the end of this instant."""
+        self._kicked.append(pod)
+
+    def run(self) -> None:
+        """Advance until nothing is left to do."""
+        engines, clock, events, ends, busy = (self.engines, self.clock, self._events, self._ends,
+                                              self._busy)
+        on_step, inf = self.on_step, math.inf
+        while events or ends:
+            now = min(events[0][0] if events else inf, ends[0][0] if ends else inf)
             clock.advance_to(now)
-            kicked: list[int] = []
+            kicked = self._kicked
             while ends and ends[0][0] <= now:
-                _, pod = heapq.heappop(ends)
+                pod = heapq.heappop(ends)[1]
                 result = engines[pod].finish_step()
                 busy[pod] = False
+                kicked.append(pod)
                 if on_step is not None:
                     on_step(pod, result)
-                kicked.append(pod)
-            while position < count and ordered[position].time <= now:
-                arrival = ordered[position]
-                position += 1
-                pod = arrival.pod
-                if pod is None:
-                    if router is None:
-                        pod = next_pod
-                        next_pod = (next_pod + 1) % len(engines)
-                    else:
-                        if now - snapshot_time >= snapshot_interval or not snapshots:
-                            snapshots = self.snapshots()
-                            snapshot_time = now
-                        pod = router(arrival, snapshots)
-                try:
-                    request = engines[pod].submit(arrival.spec)
-                except RequestRejected as error:
-                    records.append((pod, arrival, None, str(error)))
-                    continue
-                records.append((pod, arrival, request, None))
-                kicked.append(pod)
+            while events and events[0][0] <= now:
+                _, _, _, event, argument = heapq.heappop(events)
+                event(now, argument)
             for pod in kicked:
                 if not busy[pod]:
                     plan = engines[pod].begin_step()
                     if plan is not None:
                         busy[pod] = True
                         heapq.heappush(ends, (plan.end, pod))
-        return RunResult(
-            requests=tuple(_result(*record) for record in records),
-            pods=tuple(msgspec.structs.replace(engine.counters) for engine in engines),
-            end_time=clock.now(),
-            wall_seconds=time.perf_counter() - wall_start,
-        )
+            kicked.clear()
+
+    def busy(self, pod: int) -> bool:
+        """Whether pod ``pod`` is running a step now."""
+        return self._busy[pod]
 
 
 def _result(pod: int, arrival: Arrival, request: Request | None, why: str | None) -> RequestResult:

@@ -60,6 +60,8 @@ def test_workload_flags_override_the_preset(tmp_path: Path) -> None:
         (["--sheddable-fraction", "1.5"], "add up to at most 1"),
         (["--sweep", "default"], "--sweep default replays a trace"),
         (["--profile", "no-such-gpu"], "unknown profile"),
+        (["--decision-delay", "-0.001"], "--decision-delay must be >= 0"),
+        (["--policies", "fastest+oracle"], "unknown policy 'fastest'"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags, message) -> None:
@@ -83,7 +85,7 @@ def test_replace_blocks_rewrites_only_the_generated_parts() -> None:
 
 def test_the_checked_in_document_has_every_generated_block() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-    blocks = {name: "" for name in [*RATES, "setup", "freshness"]}
+    blocks = {name: "" for name in [*RATES, "setup", "freshness", "replicas", "prefix-fit"]}
     replace_blocks(doc.read_text(), blocks)  # raises when a block is missing
 
 
@@ -94,5 +96,7 @@ def test_default_sweep_covers_every_workload_policy_and_rate() -> None:
     assert {p.workload.trace for p in sweep if p.workload.name == "trace"} == {"conv.csv"}
     assert len(sweep) == sum(len(rates) for rates in RATES.values()) * len(POLICIES)
     # Our default (with the pickers' load estimate) beside the upstream-faithful tree.
-    assert {(p.label, p.load_estimate) for p in sweep if p.policy.name == "filter-tree"} == {
+    assert {(p.label, p.load_estimate) for p in sweep
+            if p.policy.name == "filter-tree" and p.alias is None} == {
         ("filter-tree", True), ("filter-tree+raw", False)}
+    assert {p.label for p in sweep if p.oracle} == {"default+oracle"}

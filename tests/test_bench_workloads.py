@@ -43,8 +43,8 @@ def test_chat_rate_and_lengths_match_the_azure_conversation_fit() -> None:
     assert 1080 < statistics.mean(prompts) < 1230  # the trace's mean is 1155
     assert 120 < statistics.median(outputs) < 138
     assert max(outputs) <= 1000 and min(outputs) >= 1
-    assert {r.scheduling.target_model for r in requests} == {BASE_MODEL}
-    assert {r.scheduling.criticality for r in requests} == {Criticality.STANDARD}
+    assert {r.model for r in requests} == {BASE_MODEL}
+    assert {r.criticality for r in requests} == {Criticality.STANDARD}
     assert all(r.spec.adapter is None for r in requests)
 
 
@@ -73,7 +73,7 @@ def test_multi_lora_zipf_popularity() -> None:
     harmonic = sum(1 / (k + 1) for k in range(workload.adapters))
     assert counts["adapter-0"] / len(requests) == pytest.approx(1 / harmonic, abs=0.02)
     assert counts["adapter-0"] > 1.6 * counts["adapter-1"] > 1.6 * counts["adapter-3"]
-    assert all(r.scheduling.target_model == r.spec.adapter for r in requests)
+    assert all(r.model == r.spec.adapter for r in requests)
     assert workload.max_loras < workload.adapters
 
 
@@ -89,7 +89,7 @@ def test_shared_prefix_groups_prepend_one_system_prompt_per_group() -> None:
 
 def test_mixed_criticality_fractions() -> None:
     requests = generate(WORKLOADS["mixed-criticality"], 200, 30, seed=1)
-    shares = Counter(r.scheduling.criticality for r in requests)
+    shares = Counter(r.criticality for r in requests)
     assert shares[Criticality.CRITICAL] / len(requests) == pytest.approx(0.2, abs=0.02)
     assert shares[Criticality.SHEDDABLE] / len(requests) == pytest.approx(0.3, abs=0.02)
     assert shares[Criticality.STANDARD] / len(requests) == pytest.approx(0.5, abs=0.02)

@@ -164,3 +164,23 @@ def test_unknown_policy_is_a_usage_error(tmp_path, capsys) -> None:
         main(["explain", "--pods", pods, "--request", req, "--policy", "fastest"])
     assert info.value.code == 2
     assert "fastest" in capsys.readouterr().err
+
+
+def test_pods_become_the_views_the_pickers_pod_table_builds(tmp_path: Path, capsys) -> None:
+    """Views come from the picker's PodTable: a pod that reports no LoRA capacity yet (vLLM
+    before its first step) is offered the pool's, and in-flight requests are counted."""
+    pods = write(tmp_path, "pods.json", [
+        {"name": "busy", "address": "10.0.0.1:8000", "waiting": 3, "running_adapters": ["a"],
+         "max_lora": 1},
+        {"name": "fresh", "address": "10.0.0.2:8000", "in_flight": 2},
+    ])
+    request = write(tmp_path, "request.json", {"model": "b"})
+    result = explain_json(capsys, "--pods", pods, "--request", request, "--policy",
+                          "filter-tree")
+    # "busy" has its one slot taken by adapter a: only "fresh" (assumed 1 slot) can load b.
+    assert result["pick"] == "fresh"
+    from lig.explain import PodEntry, picker_views
+
+    views = picker_views([PodEntry("busy", max_lora=4), PodEntry("fresh", in_flight=2)])
+    assert [(v.name, v.max_lora, v.in_flight) for v in views] == [("busy", 4, 0),
+                                                                  ("fresh", 4, 2)]

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import uvloop
+
 from services.picker.http2 import ENHANCE_YOUR_CALM, GOAWAY, RST_STREAM, Http2Server, frame
 from services.picker.http2_limits import MIB, Http2Limits
 from tests.support.http2_peer import PATH, Echo, RawClient, grpc_message, trickle
@@ -80,6 +82,16 @@ async def test_large_partial_messages_on_many_connections_stay_within_the_budget
 
 
 async def test_connections_past_the_cap_are_closed_and_counted() -> None:
+    await _connections_past_the_cap()
+
+
+def test_connections_past_the_cap_are_told_why_on_uvloop() -> None:
+    # The picker runs on uvloop, whose transports are no asyncio.Transport subclasses: the
+    # refusal once asserted they were, and closed without its GOAWAY.
+    uvloop.run(_connections_past_the_cap())
+
+
+async def _connections_past_the_cap() -> None:
     errors: list[str] = []
     server = Http2Server({PATH: lambda: Echo([])}, 1000,
                          limits=Http2Limits(max_connections=3), on_error=errors.append)

@@ -41,6 +41,7 @@ POOL = "pool-1"
 ENDPOINTS = [Endpoint("pod-a", "10.0.0.1", 8000), Endpoint("pod-b", "10.0.0.2", 8000),
              Endpoint("pod-c", "10.0.0.3", 8000)]
 BODY = b'{"model": "m", "prompt": "hi"}'
+LONG_BODY = b'{"model": "m", "max_tokens": 64, "prompt": "%s"}' % (b"a long prompt " * 300)
 
 
 class FakeClock:
@@ -97,17 +98,38 @@ def batch(picker: str, *events: DecisionEvent, heartbeat_s: float = 0.5) -> Deci
 def test_routed_and_finished_requests_are_reported_with_their_pool_and_id() -> None:
     events: list[tuple[str, DecisionEvent]] = []
     gw = gateway(FakeClock(), events=events)
-    first, second = gw.route(BODY), gw.route(BODY)
+    first, second = gw.route(LONG_BODY), gw.route(BODY)
     assert isinstance(first, Routed) and isinstance(second, Routed)
     gw.started(first)
     gw.started(second)
     gw.finished(first, 12, 34)
+    assert first.prompt_tokens > 500 and first.max_tokens == 64 and first.prefix_hashes
     assert events == [
-        (POOL, RoutedEvent(first.request_id, first.pod, "m", Criticality.STANDARD)),
-        (POOL, RoutedEvent(second.request_id, second.pod, "m", Criticality.STANDARD)),
+        (POOL, RoutedEvent(first.request_id, first.pod, "m", Criticality.STANDARD,
+                           first.prompt_tokens, 64, first.prefix_hashes)),
+        (POOL, RoutedEvent(second.request_id, second.pod, "m", Criticality.STANDARD,
+                           second.prompt_tokens)),
         (POOL, FinishedEvent(first.request_id, first.pod, 12, 34)),
     ]
     assert first.request_id != second.request_id
+
+
+def test_a_peers_prompt_counts_in_tokens_and_in_the_prefix_index() -> None:
+    events: list[tuple[str, DecisionEvent]] = []
+    sender, receiver = gateway(FakeClock(), events=events), gateway(FakeClock())
+    routed_here = sender.route(LONG_BODY)
+    assert isinstance(routed_here, Routed)
+    sender.started(routed_here)
+    receiver.apply_peer(batch("sender", *(event for _, event in events)))
+    router = receiver.router(POOL)
+    assert router is not None
+    assert router.prefixes.match(routed_here.prefix_hashes) == {
+        routed_here.pod: len(routed_here.prefix_hashes)}
+    tokens = {view.name: view.unreported_tokens for view in router.pods.fresh_views()}
+    own = sender.table(POOL)
+    assert own is not None
+    assert tokens == {view.name: view.unreported_tokens for view in own.fresh_views()}
+    assert tokens[routed_here.pod] == routed_here.prompt_tokens
 
 
 def test_a_shed_request_is_reported() -> None:
@@ -132,7 +154,8 @@ def test_a_request_served_by_a_fallback_is_reported_routed_again_there() -> None
     gw.started(first)
     other = next(e.name for e in ENDPOINTS if e.name != first.pod)
     gw.served_elsewhere(first, other)
-    assert events[-1] == (POOL, RoutedEvent(first.request_id, other, "m", Criticality.STANDARD))
+    assert events[-1] == (POOL, RoutedEvent(first.request_id, other, "m", Criticality.STANDARD,
+                                            first.prompt_tokens))
     peer = gateway(FakeClock())
     peer.apply_peer(batch("a", *(event for _, event in events)))
     assert views(peer)[other][1] == 1 and views(peer)[first.pod][1] == 0

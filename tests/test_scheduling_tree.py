@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from scheduling import PodView, PolicyConfigError, SchedulingRequest
-from scheduling.plugin import FilterFailed, ShedRequest
+from scheduling.catalog import PLUGIN_TYPES
+from scheduling.plugin import FilterFailed, PluginRecord, ShedRequest
 from scheduling.tree import Node, build_tree, run_tree
 
 PODS = [PodView(name=f"p{i}", address=f"10.0.0.{i}:8000", waiting=i) for i in range(4)]
@@ -138,3 +139,13 @@ def test_failed_step_trace_records_failed_branch() -> None:
 def test_bad_specs_raise_policy_config_error(spec, message) -> None:
     with pytest.raises(PolicyConfigError, match=message):
         build_tree(spec, random.Random(0))
+
+
+def test_a_plugin_registered_as_the_wrong_kind_is_a_config_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A filter registered as a scorer: caught when the tree is built, not as an AttributeError
+    # on the first request.
+    monkeypatch.setitem(PLUGIN_TYPES, "mislabelled",
+                        PluginRecord("mislabelled", "scorer", Recording))
+    with pytest.raises(PolicyConfigError, match="registered as a scorer but does not implement"):
+        build_tree({"name": "x", "plugin": "mislabelled"}, random.Random(0))

@@ -44,8 +44,10 @@ class _Connection(asyncio.Protocol):
         self._readable: asyncio.Future[None] | None = None
         self._lost = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+    # typeshed keeps BaseProtocol's BaseTransport here, but a stream protocol is always given a
+    # Transport (uvloop's is not a subclass of asyncio.Transport, so isinstance cannot narrow).
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._transport = transport
 
     def data_received(self, data: bytes) -> None:
         self._h11.receive_data(data)
@@ -115,8 +117,10 @@ class _Connection(asyncio.Protocol):
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
                 raise httpx.RemoteProtocolError(f"bad HTTP response: {exc}") from None
-            if event is not h11.NEED_DATA:
-                return event  # type: ignore[return-value]
+            if isinstance(event, h11.Event):
+                return event
+            if event is h11.PAUSED:  # h11 holds bytes back that came after the response's end
+                raise httpx.RemoteProtocolError("bad HTTP response: data after its end")
             if self._lost:
                 raise httpx.ReadError("connection closed before the response was complete")
             self._readable = asyncio.get_running_loop().create_future()

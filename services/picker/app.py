@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import secrets
 import socket
 import sys
@@ -25,21 +24,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
+from services.picker import core
 from services.picker.decision_stream import (
     DecisionPublisher,
     DecisionSink,
     subscribe_decisions,
 )
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
-from services.picker.gray_pods import GrayPods
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
-from services.picker.pools import Gateway, UnknownModels
-from services.picker.routing import Router
+from services.picker.pools import Gateway
 from services.picker.settings import PickerSettings
-from services.picker.state import PodTable
 from services.picker.tls import TlsFiles, grpc_credentials, ssl_context
 from shared.host.errors import PortInUse
 from shared.host.lifespan import Lifespan
@@ -78,25 +75,14 @@ def stop_timeout(settings: PickerSettings) -> float:
 
 def build_gateway(settings: PickerSettings, metrics: PickerMetrics,
                   decisions: DecisionPublisher | None = None) -> Gateway:
-    """The gateway over the served pools, each pool with its own router and pod table;
-    ``decisions`` publishes its decisions (None: not shared)."""
-    rng = random.Random(settings.seed)
-
-    def make_router(pool: str) -> Router:
-        pods = PodTable(settings.stale_after, load_estimate=settings.load_estimate,
-                        gray=GrayPods(settings.gray_after, settings.outcome_sample,
-                                      on_exclude=lambda pod, reason:
-                                      metrics.gray_exclusions.labels(pod, reason).inc()))
-        return Router(pool, pods, rng, on_all_stale=metrics.all_stale.inc,
-                      fallbacks=settings.fallbacks)
-
-    unknown = UnknownModels(reject=settings.reject_unknown_models,
-                            default_pool=settings.default_pool)
-    gateway = Gateway(settings.pools, make_router, unknown, rng,
-                      on_conflicts=metrics.model_conflicts.set, on_decision=decisions,
-                      picker_id=decisions.picker_id if decisions is not None else "")
-    gateway.peers.request_ttl = settings.decision_request_ttl
-    return gateway
+    """The decision core over the served pools (:mod:`services.picker.core`, also what
+    ``lig bench`` runs), reporting to the picker's metrics; ``decisions`` publishes its
+    decisions (None: not shared)."""
+    return core.build_gateway(settings, hooks=core.CoreHooks(
+        on_gray_exclusion=lambda pod, reason: metrics.gray_exclusions.labels(pod, reason).inc(),
+        on_all_stale=metrics.all_stale.inc,
+        on_conflicts=metrics.model_conflicts.set),
+        on_decision=decisions, picker_id=decisions.picker_id if decisions is not None else "")
 
 
 def decision_publisher(settings: PickerSettings, subjects: Subjects,
@@ -255,8 +241,14 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
         nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions)
-        life.task(nats.run(stop))
-        life.task(_housekeeping(stop, nats, gateway, health, metrics))
+        tasks = (asyncio.create_task(nats.run(stop)),
+                 asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
+        # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
+        # up to ~0.5 s, and one after another they would stretch the stop (ext_proc's own close
+        # above, for a failed start, then finds it stopped already).
+        life.on_close(lambda: asyncio.gather(ext_proc.stop(SHUTDOWN_GRACE),
+                                             *(cancel_and_wait(task) for task in tasks)),
+                      within=SHUTDOWN_GRACE + 2.0)
         life.on_close(lambda: asyncio.sleep(shutdown.drain), within=settings.drain_delay + 0.5)
         await health.start()
         life.on_close(lambda: health.stop(0), within=1.0)

@@ -185,7 +185,7 @@ class Processor:
         """The ImmediateResponse answering the client with ``rejected``'s status and body."""
         reply = pb.ProcessingResponse()
         answer = reply.immediate_response
-        answer.status.code = rejected.status  # type: ignore[assignment]
+        answer.status.code = rejected.status
         answer.body = rejected.body
         answer.details = f"lig_picker_{rejected.outcome}"
         _set_header(answer.headers, "content-type", b"application/json")

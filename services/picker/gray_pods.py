@@ -34,6 +34,7 @@ the last message it expects), so such a request counts as in flight (here and in
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -157,11 +158,9 @@ class GrayPods:
             starts = pod.starts
             if not self.gray_after or not starts or starts[0] > oldest:
                 continue
-            old = 0
-            for started in starts:
-                if started > oldest:
-                    break
-                old += 1
+            # Start times are in time order: count the old ones by bisection, not one by one
+            # (a pod can have thousands in flight, long streams older than gray_after among them).
+            old = bisect.bisect_right(starts, oldest)
             if old > view.running + view.waiting:
                 self._exclude(view.name, pod, now, "unfinished",
                               f"{old} requests in flight for over {self.gray_after:g}s while it "

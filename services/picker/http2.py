@@ -285,8 +285,10 @@ class Http2Connection(asyncio.Protocol):
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+    # typeshed keeps BaseProtocol's BaseTransport here, but a stream protocol is always given a
+    # Transport (uvloop's is not a subclass of asyncio.Transport, so isinstance cannot narrow).
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._transport = transport
         limits = self._limits
         self._transport.set_write_buffer_limits(limits.write_high_water, limits.write_low_water)
         settings = b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in (
@@ -723,7 +725,7 @@ class Http2Connection(asyncio.Protocol):
         path = b""
         for name, value in headers:
             if name == b":path":
-                path = value  # type: ignore[assignment]
+                path = value
                 break
         # A block decoded with an empty dynamic table that left it empty decodes the same way
         # every time: remember it (Envoy sends one such block per method).
@@ -793,9 +795,9 @@ class Http2Connection(asyncio.Protocol):
                 raise ProtocolFault(FLOW_CONTROL_ERROR, "connection window overflow")
             waiting = self._waiting_for_connection
             while waiting and self._send_window > 0:
-                _, stream = waiting.popitem(last=False)
-                stream.parked = _NOT_PARKED
-                self._flush(stream)
+                _, parked = waiting.popitem(last=False)
+                parked.parked = _NOT_PARKED
+                self._flush(parked)
             return
         stream = self._streams.get(stream_id)
         if stream is None:
@@ -1031,12 +1033,12 @@ class _Refused(asyncio.Protocol):
         self._on_error = on_error
         self._warnings = warnings
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    # The same typeshed gap as Http2Connection's: a stream protocol always gets a Transport.
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         kind = ERROR_NAMES[ENHANCE_YOUR_CALM]
         self._on_error(kind)
         self._warnings.warning("HTTP/2 connection error %s, closing: %s", kind,
                                "too many connections")
-        assert isinstance(transport, asyncio.WriteTransport)
         # The server preface is a SETTINGS frame; the GOAWAY then says why.
         transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, (0).to_bytes(4, "big")
                                                       + ENHANCE_YOUR_CALM.to_bytes(4, "big")))

@@ -15,8 +15,10 @@ whole pool over the tree's absolute thresholds (a sheddable request needs a pod 
 
 Approximations: the count restarts when a snapshot *arrives*, not when it was taken, so requests
 routed between a scrape and its arrival (scrape duration plus the NATS hop, about 5 ms of a 50 ms
-interval) are counted by neither. Each picker replica counts only its own requests. Prompt sizes
-are unknown to the picker, so KV usage is not corrected.
+interval) are counted by neither. Prompt tokens are counted beside the requests (the estimate of
+``scheduling/prompt.py``) and shown to policies as ``PodView.unreported_tokens``, in full, not
+relative to the least-loaded pod: the ``token_load`` scorer rates them on an absolute scale. KV
+usage itself is not corrected.
 
 This corrects the policies' input, not the policies: ``lig picker --no-load-estimate`` turns it
 off, leaving decisions on the scraped metrics alone, as upstream.
@@ -32,43 +34,61 @@ from scheduling.types import PodView
 
 
 class UnreportedLoad:
-    """Per pod, the requests routed there since its newest snapshot (always 0 when disabled)."""
+    """Per pod, the requests and prompt tokens routed there since its newest snapshot (always
+    none when disabled)."""
 
-    __slots__ = ("_counts", "enabled")
+    __slots__ = ("_counts", "_tokens", "enabled")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._counts: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
 
-    def routed(self, pod: str) -> None:
-        """A request was sent to ``pod``."""
+    def routed(self, pod: str, tokens: int = 0) -> None:
+        """A request with ``tokens`` estimated prompt tokens was sent to ``pod``."""
         if self.enabled:
             self._counts[pod] = self._counts.get(pod, 0) + 1
+            if tokens > 0:
+                self._tokens[pod] = self._tokens.get(pod, 0) + tokens
 
-    def unrouted(self, pod: str) -> None:
+    def unrouted(self, pod: str, tokens: int = 0) -> None:
         """A request counted for ``pod`` went elsewhere after all (a gateway fallback)."""
         count = self._counts.get(pod, 0) - 1
         if count > 0:
             self._counts[pod] = count
         else:
             self._counts.pop(pod, None)
+        left = self._tokens.get(pod, 0) - tokens
+        if left > 0 and count > 0:
+            self._tokens[pod] = left
+        else:
+            self._tokens.pop(pod, None)
 
     def reported(self, pod: str) -> None:
         """A newer snapshot of ``pod`` arrived: it shows the requests counted so far."""
         self._counts.pop(pod, None)
+        self._tokens.pop(pod, None)
 
     @property
     def counts(self) -> Mapping[str, int]:
         """Requests per pod that its newest snapshot does not show (pods with none absent)."""
         return self._counts
 
+    @property
+    def tokens(self) -> Mapping[str, int]:
+        """Prompt tokens per pod that its newest snapshot does not show (pods with none absent)."""
+        return self._tokens
+
 
 def picker_views(
-    views: Sequence[PodView], in_flight: Mapping[str, int], unreported: Mapping[str, int]
+    views: Sequence[PodView], in_flight: Mapping[str, int], unreported: Mapping[str, int],
+    unreported_tokens: Mapping[str, int] | None = None,
 ) -> list[PodView]:
-    """``views`` as a policy sees them: with this picker's in-flight counts, and ``waiting``
-    raised by each pod's unreported requests beyond the fewest any of ``views`` has."""
-    if not views or (not in_flight and not unreported):
+    """``views`` as a policy sees them: with this picker's in-flight counts, ``waiting`` raised
+    by each pod's unreported requests beyond the fewest any of ``views`` has, and each pod's
+    unreported prompt tokens (in full: token scorers compare pods on their own scale)."""
+    tokens = unreported_tokens or {}
+    if not views or (not in_flight and not unreported and not tokens):
         return list(views)
     # Counts are positive: with fewer counted pods than views, some view has none.
     if len(unreported) < len(views):
@@ -81,7 +101,9 @@ def picker_views(
         name = view.name
         requests = in_flight.get(name, 0)
         extra = unreported.get(name, 0) - fewest
-        if requests or extra:
-            view = replace(view, waiting=view.waiting + extra, in_flight=requests)
+        routed_tokens = tokens.get(name, 0)
+        if requests or extra or routed_tokens:
+            view = replace(view, waiting=view.waiting + extra, in_flight=requests,
+                           unreported_tokens=routed_tokens)
         result.append(view)
     return result

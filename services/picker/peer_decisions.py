@@ -3,8 +3,9 @@
 Every picker replica publishes what it decides (``services/picker/decision_stream.py``); this is
 the receiving side without the network. A peer's routed request counts in the pod table exactly
 as one of ours would: in flight until its finished event, and unreported until the pod's next
-snapshot (which clears peers' and own counts alike). Batches carrying our own picker id are
-ignored: our requests were counted when we routed them.
+snapshot (which clears peers' and own counts alike), with its prompt tokens; its prompt's block
+hashes go into the pool's prefix index as if this picker had routed it. Batches carrying our own
+picker id are ignored: our requests were counted when we routed them.
 
 Nothing here is persisted, and nothing a peer said outlives a bounded time:
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from services.picker.routing import Router
 from services.picker.state import PodTable
 from shared.schemas import DecisionBatch, FinishedEvent, RoutedEvent
 
@@ -53,14 +55,15 @@ class _Peer:
 
 
 class PeerDecisions:
-    """Applies peers' :class:`DecisionBatch` es to the pod tables (``table_of(pool)``, None for
-    a pool not served) and expires what they contributed (see the module doc)."""
+    """Applies peers' :class:`DecisionBatch` es to the pools' routers (``router_of(pool)``, None
+    for a pool not served): their pod tables and prefix indexes; and expires what they
+    contributed to the tables (see the module doc)."""
 
-    def __init__(self, picker_id: str, table_of: Callable[[str], PodTable | None],
+    def __init__(self, picker_id: str, router_of: Callable[[str], Router | None],
                  clock: Callable[[], float] = time.monotonic,
                  request_ttl: float = DEFAULT_REQUEST_TTL) -> None:
         self.picker_id = picker_id
-        self._table_of = table_of
+        self._router_of = router_of
         self._clock = clock
         self.request_ttl = request_ttl
         self._peers: dict[tuple[str, str], _Peer] = {}  # (picker id, pool) -> contributions
@@ -76,10 +79,12 @@ class PeerDecisions:
         if picker == self.picker_id:
             self.own += 1
             return
-        table = self._table_of(batch.pool)
-        if table is None:
+        router = self._router_of(batch.pool)
+        if router is None:
             self.not_served += 1
             return
+        table = router.pods
+        prefixes = router.prefixes
         key = (picker, batch.pool)
         peer = self._peers.get(key)
         if peer is None or peer.table is not table:
@@ -94,8 +99,10 @@ class PeerDecisions:
             if isinstance(event, RoutedEvent):
                 if event.request_id in requests:  # a repeat (moved to a fallback pod)
                     table.peer_finished(requests.pop(event.request_id)[0])
-                if table.peer_started(event.pod):
+                if table.peer_started(event.pod, event.prompt_tokens):
                     requests[event.request_id] = (event.pod, now)
+                    if event.prefix_hashes:
+                        prefixes.record(event.pod, event.prefix_hashes)
                 else:
                     self.unknown_pod += 1
             elif isinstance(event, FinishedEvent):

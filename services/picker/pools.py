@@ -40,8 +40,8 @@ from services.picker.routing import (
     Rejected,
     Routed,
     Router,
+    read_request,
     reject,
-    requested_model,
 )
 from services.picker.state import Freshness, PodTable
 from shared.registry_view import RegistryChanges, RegistryView
@@ -101,7 +101,7 @@ class Gateway:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.all_pools = not pools
         self.on_decision = on_decision
-        self.peers = PeerDecisions(picker_id, self.table, clock)
+        self.peers = PeerDecisions(picker_id, self.router, clock)
         self._make_router = make_router
         self.unknown = unknown if unknown is not None else UnknownModels()
         self._rng = rng if rng is not None else random.Random()
@@ -200,15 +200,16 @@ class Gateway:
               objective: str | None = None) -> Routed | Rejected:
         """Decide where a request with this JSON ``body`` goes (``subset`` and ``objective``:
         see :meth:`Router.route`)."""
-        requested = requested_model(body)
-        if isinstance(requested, Rejected):
-            return requested
+        fields = read_request(body)
+        if isinstance(fields, Rejected):
+            return fields
+        requested = fields.model or ""
         pool = self.owner.get(requested)
         if pool is not None:
-            return self.routers[pool].route_model(body, requested, subset, objective)
+            return self.routers[pool].route_model(body, requested, subset, objective, fields)
         router = self._default_router()
         if router is not None:
-            return router.route_model(body, requested, subset, objective)
+            return router.route_model(body, requested, subset, objective, fields)
         quoted = msgspec.json.encode(requested).decode()
         reason = (" (registered in several pools: " + ", ".join(self.conflicts[requested].pools)
                   + ")" if requested in self.conflicts else "")
@@ -262,6 +263,10 @@ class Gateway:
 
     # --- pod bookkeeping (per pool) ----------------------------------------------------------
 
+    def router(self, pool: str) -> Router | None:
+        """The router of ``pool``, None when it is not served."""
+        return self.routers.get(pool)
+
     def table(self, pool: str) -> PodTable | None:
         """The pod table of ``pool``, None when it is not served."""
         router = self.routers.get(pool)
@@ -271,7 +276,7 @@ class Gateway:
         """A request was sent to ``routed``'s pod."""
         pods = self.table(routed.pool)
         if pods is not None:
-            pods.started(routed.pod)
+            pods.started(routed.pod, routed.prompt_tokens)
             if self.on_decision is not None:
                 self.on_decision(routed.pool, _routed_event(routed))
 
@@ -292,7 +297,7 @@ class Gateway:
         of it as the same request routed again, to ``pod``."""
         pods = self.table(routed.pool)
         if pods is not None:
-            pods.served_elsewhere(routed.pod, pod)
+            pods.served_elsewhere(routed.pod, pod, routed.prompt_tokens)
             if self.on_decision is not None:
                 self.on_decision(routed.pool, _routed_event(routed, pod))
 
@@ -337,4 +342,5 @@ class Gateway:
 
 def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:
     return RoutedEvent(routed.request_id, routed.pod if pod is None else pod,
-                       routed.target_model, routed.criticality)
+                       routed.target_model, routed.criticality, routed.prompt_tokens,
+                       routed.max_tokens, routed.prefix_hashes)

@@ -113,7 +113,7 @@ class ResponseRewriter:
         if usage is not None:
             self.usage = usage
 
-    def _take_usage(self, usage: dict) -> None:
+    def _take_usage(self, usage: dict[str, object]) -> None:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
             self.usage = Usage(prompt, completion)

@@ -10,11 +10,21 @@ import bisect
 import itertools
 import logging
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 import msgspec
 
 from scheduling import PolicyConfigError, build_policy
+from scheduling.prefix_hash import prefix_hashes
+from scheduling.prefix_index import PrefixIndex
+from scheduling.prompt import (
+    CompletionPrompt,
+    Message,
+    PromptDigest,
+    chat_prompt,
+    completion_prompt,
+)
 from scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
@@ -32,8 +42,8 @@ from shared.schemas import (
 log = logging.getLogger("lig.picker.routing")
 
 
-class RequestFields(msgspec.Struct):
-    """The only body field the picker needs; everything else is skipped while decoding.
+class ModelField(msgspec.Struct):
+    """The one body field every request needs; everything else is skipped while decoding.
 
     (Whether a response streams is read from its content-type, not from ``stream``.)
     """
@@ -41,11 +51,41 @@ class RequestFields(msgspec.Struct):
     model: str | None = None
 
 
+class RequestFields(ModelField):
+    """``model`` and what scheduling reads of the prompt (``scheduling/prompt.py``): the
+    completions ``prompt``, the chat ``messages`` and the completion limit."""
+
+    prompt: CompletionPrompt | None = None
+    messages: list[Message] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def digest(self) -> PromptDigest:
+        """The prompt's token estimate and the bytes to hash (chat messages first)."""
+        if self.messages is not None:
+            return chat_prompt(self.messages)
+        return completion_prompt(self.prompt)
+
+    def completion_limit(self) -> int:
+        """``max_completion_tokens`` (the chat API's newer name), else ``max_tokens``; 0: none."""
+        limit = self.max_completion_tokens
+        if limit is None:
+            limit = self.max_tokens
+        if limit is None or limit <= 0:
+            return 0
+        # JSON integers are unbounded; events carrying this must fit 64-bit encodings.
+        return min(limit, MAX_COMPLETION_LIMIT)
+
+
+MAX_COMPLETION_LIMIT = 2**31 - 1
+
 _decode_fields = msgspec.json.Decoder(RequestFields).decode
+_decode_model = msgspec.json.Decoder(ModelField).decode
 # Top-level members kept as raw bytes: a rewrite re-encodes only ``model``, so whatever the
 # client put elsewhere (numbers beyond float range, any nesting msgspec can skip) passes through
 # byte for byte, as it does for a request that is not rewritten.
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_NO_HITS: Mapping[str, int] = MappingProxyType({})  # requests without prefix hashes
 _BOM = b"\xef\xbb\xbf"  # RFC 8259 lets a parser ignore it; Python's json (vLLM's) does
 
 
@@ -62,6 +102,9 @@ class Routed(msgspec.Struct, frozen=True):
     body: bytes | None = None
     fallbacks: tuple[str, ...] = ()
     pool: str = ""  # the pool whose pod was chosen
+    prompt_tokens: int = 0  # estimated (scheduling/prompt.py), for the load estimate
+    max_tokens: int = 0  # the client's completion limit, 0 when none
+    prefix_hashes: tuple[int, ...] = ()  # chained block hashes, for the decision stream
     criticality: Criticality = Criticality.STANDARD
     request_id: int = 0
 
@@ -147,18 +190,26 @@ DecisionCallback = Callable[[str, DecisionEvent], None]
 """Receives each decision a picker makes (pool, event): the decision stream's publisher."""
 
 
+DEFAULT_PREFIX_ENTRIES = 65_536  # ~200 bytes each (bench/bench_prefix.py): ~13 MiB a pool
+
+
 class Router:
     """Routes the requests of one pool, from the registry state and the pod table.
 
+    ``prefixes`` is the pool's approximate prefix index (``scheduling/prefix_index.py``) of at
+    most ``prefix_entries`` block hashes: every routed prompt is recorded for its pod, and every
+    request's prefix matches are handed to the policy (``SchedulingRequest.prefix_hits``).
     ``on_decision`` hears of every request this router sheds (routed and finished requests are
     reported by the :class:`~services.picker.pools.Gateway`, which sees them start and end).
     """
 
     def __init__(self, pool: str, pods: PodTable, rng: random.Random,
-                 on_all_stale: Callable[[], None] = lambda: None, fallbacks: int = 0) -> None:
+                 on_all_stale: Callable[[], None] = lambda: None, fallbacks: int = 0,
+                 prefix_entries: int = DEFAULT_PREFIX_ENTRIES) -> None:
         self.pool_name = pool
         self.fallbacks = fallbacks
         self.pods = pods
+        self.prefixes = PrefixIndex(prefix_entries)
         self._rng = rng
         self._pool: InferencePool | None = None
         self._models: dict[str, ModelRoute] = {}
@@ -197,7 +248,10 @@ class Router:
                     self._models[model] = ModelRoute.of(entry)
         if everything or name in changes.endpoints:
             endpoint_set = view.endpoints.get(name)
+            before = {endpoint.name for endpoint in self.pods.endpoints}
             self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
+            for gone in before.difference(endpoint.name for endpoint in self.pods.endpoints):
+                self.prefixes.forget(gone)
 
     def _take_pool(self, pool: InferencePool | None) -> None:
         self._pool = pool
@@ -230,10 +284,10 @@ class Router:
         model's (an unknown name is ignored). Every client mistake in ``body`` is a 400
         :class:`Rejected` (never an exception).
         """
-        requested = requested_model(body)
-        if isinstance(requested, Rejected):
-            return requested
-        return self.route_model(body, requested, subset, objective)
+        fields = read_request(body)
+        if isinstance(fields, Rejected):
+            return fields
+        return self.route_model(body, fields.model or "", subset, objective, fields)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` is registered in this pool."""
@@ -245,9 +299,11 @@ class Router:
         return self._models.keys()
 
     def route_model(self, body: bytes, requested: str, subset: frozenset[str] | None = None,
-                    objective: str | None = None) -> Routed | Rejected:
+                    objective: str | None = None, fields: RequestFields | None = None
+                    ) -> Routed | Rejected:
         """Route a request for ``requested`` (read from ``body`` by :func:`requested_model`)
-        over this pool's pods; ``subset`` and ``objective`` as :meth:`route` takes them."""
+        over this pool's pods; ``subset`` and ``objective`` as :meth:`route` takes them;
+        ``fields``: ``body`` already read by :func:`read_request` (read here when None)."""
         route = self._models.get(requested)
         pool = self.pool_name
         if route is None:
@@ -262,20 +318,38 @@ class Router:
         if objective is not None:
             criticality = self._objective_criticality(objective, criticality)
         registered = route is not None
-        request = SchedulingRequest(requested, target, criticality)
+        request = self._request(body, requested, target, criticality, fields)
         choice = self._choose(request, subset)
         if isinstance(choice, Rejected):
             return Rejected(choice.status, choice.outcome, choice.body, requested, target,
                             registered, pool)
         pick, fallbacks = choice
-        new_body = None
+        hashes = request.prefix_hashes
+        if hashes:
+            self.prefixes.record(pick.name, hashes)
+        new_body: bytes | None = None
         if target != requested:
-            new_body = rewrite_model(body, target)
-            if isinstance(new_body, Rejected):
-                return Rejected(new_body.status, new_body.outcome, new_body.body, requested,
+            rewritten = rewrite_model(body, target)
+            if isinstance(rewritten, Rejected):
+                return Rejected(rewritten.status, rewritten.outcome, rewritten.body, requested,
                                 target, registered, pool)
+            new_body = rewritten
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
-                      fallbacks, pool, criticality=criticality, request_id=self._next_id())
+                      fallbacks, pool, request.prompt_tokens, request.max_tokens, hashes,
+                      criticality=criticality, request_id=self._next_id())
+
+    def _request(self, body: bytes, requested: str, target: str, criticality: Criticality,
+                 fields: RequestFields | None) -> SchedulingRequest:
+        """The request as the policy sees it: prompt estimate, prefix hashes and their matches
+        in this pool's index."""
+        if fields is None:
+            read = read_request(body)
+            fields = read if isinstance(read, RequestFields) else RequestFields()
+        digest = fields.digest()
+        hashes = prefix_hashes(digest.data, target) if digest.data else ()
+        hits = self.prefixes.match(hashes) if hashes else _NO_HITS
+        return SchedulingRequest(requested, target, criticality, digest.tokens,
+                                 fields.completion_limit(), hashes, hits)
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Rejected:
         """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod (of the
@@ -373,26 +447,45 @@ def _in_subset(pods: list[PodView], subset: frozenset[str] | None) -> list[PodVi
 
 def requested_model(body: bytes) -> str | Rejected:
     """The ``model`` a request body asks for, or the 400 answering a malformed body."""
-    fields = _request_fields(body)
-    if isinstance(fields, Rejected):
-        return fields
-    if fields.model is None:
-        return reject(400, 'request body has no "model" field', "missing_model")
-    return fields.model
+    fields = read_request(body)
+    return fields if isinstance(fields, Rejected) else fields.model or ""
 
 
-def _request_fields(body: bytes) -> RequestFields | Rejected:
-    """The fields the picker reads from ``body``, or the 400 answering a malformed one."""
+def read_request(body: bytes) -> RequestFields | Rejected:
+    """The fields the picker reads from ``body`` (``model`` always set), or the 400 answering a
+    malformed body.
+
+    Prompt fields of an unexpected shape (``"messages": 5``, a content part whose ``text`` is
+    not a string) are not the picker's to refuse: the body is routed on its ``model`` alone, with
+    no prompt estimate, as before the picker read prompts, and the model server answers it.
+    """
     if body.startswith(_BOM):
         body = body[len(_BOM):]
+    fields: RequestFields | Rejected
     try:
-        return _decode_fields(body)
-    except msgspec.ValidationError as exc:
-        return reject(400, f"invalid request body: {exc}", "invalid_request")
+        fields = _decode_fields(body)
+    except msgspec.ValidationError:
+        fields = _model_only(body)
     except msgspec.DecodeError:
         return reject(400, "request body is not valid JSON", "invalid_json")
     except RecursionError:
         return _too_deep()
+    if isinstance(fields, Rejected):
+        return fields
+    if fields.model is None:
+        return reject(400, 'request body has no "model" field', "missing_model")
+    return fields
+
+
+def _model_only(body: bytes) -> RequestFields | Rejected:
+    """Read ``model`` alone from a body whose prompt fields did not fit :class:`RequestFields`."""
+    try:
+        model = _decode_model(body).model
+    except msgspec.ValidationError as exc:
+        return reject(400, f"invalid request body: {exc}", "invalid_request")
+    except RecursionError:
+        return _too_deep()
+    return RequestFields(model=model)
 
 
 def _too_deep() -> Rejected:

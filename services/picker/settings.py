@@ -8,6 +8,7 @@ import msgspec
 
 from services.picker.decision_stream import DEFAULT_DELAY
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
+from services.picker.routing import DEFAULT_PREFIX_ENTRIES
 from services.picker.tls import TlsFiles
 from shared import ports
 from shared.host.settings import option
@@ -75,6 +76,13 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "names only the chosen pod, which is what an ORIGINAL_DST cluster (the shipped Envoy "
         "bootstrap) can route", metavar="N", ge=0)] = 0
     seed: Annotated[int | None, option("seed for the random choices (reproducible runs)")] = None
+    # Prompt-aware scheduling (docs/scheduling.md).
+    prefix_index_entries: Annotated[int, option(
+        "per pool, the most prompt block hashes (1 KiB of prompt, about 256 tokens, each) the "
+        "approximate prefix index keeps, least recently routed dropped first; about 200 bytes "
+        "each (bench/bench_prefix.py). The prefix_affinity scorer of the prefix-aware policy "
+        "reads it; 0 turns the index off. The default tracks about 16M prompt tokens, more than "
+        "the KV caches of a typical pool hold", metavar="N", ge=0)] = DEFAULT_PREFIX_ENTRIES
     # The decision stream (issue 11, docs/decision-stream.md).
     shared_decisions: Annotated[bool, option(
         "share routing decisions with the other picker replicas over NATS "

@@ -144,7 +144,8 @@ class PodTable:
         gray = self.gray.excluded(views, now, arrivals)
         if gray and len(gray) < len(views):
             views = [view for view in views if view.name not in gray]
-        return picker_views(views, self._in_flight, self._unreported.counts)
+        return picker_views(views, self._in_flight, self._unreported.counts,
+                            self._unreported.tokens)
 
     def freshness(self, wall_clock_ns: int | None = None) -> Freshness:
         """Fresh/stale counts over members and each member's snapshot age (inf when none)."""
@@ -164,10 +165,11 @@ class PodTable:
 
     # --- requests in flight --------------------------------------------------------------
 
-    def started(self, pod: str) -> None:
-        """Count a request sent to ``pod`` until :meth:`finished`, and until its next snapshot."""
+    def started(self, pod: str, prompt_tokens: int = 0) -> None:
+        """Count a request sent to ``pod`` until :meth:`finished`, and it and its
+        ``prompt_tokens`` until the pod's next snapshot."""
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
-        self._unreported.routed(pod)
+        self._unreported.routed(pod, prompt_tokens)
         self.gray.started(pod, self._clock())
 
     def finished(self, pod: str) -> None:
@@ -175,17 +177,18 @@ class PodTable:
         _decrement(self._in_flight, pod)
         self.gray.finished(pod)
 
-    def peer_started(self, pod: str) -> bool:
-        """A peer picker sent a request to ``pod``: it counts as this picker's own would (in
-        flight until :meth:`peer_finished`, unreported until the pod's next snapshot), except
-        for the gray-pod guard, which judges only requests whose outcome this picker sees.
+    def peer_started(self, pod: str, prompt_tokens: int = 0) -> bool:
+        """A peer picker sent a request to ``pod`` (with ``prompt_tokens``): it counts as this
+        picker's own would (in flight until :meth:`peer_finished`, unreported with its tokens
+        until the pod's next snapshot), except for the gray-pod guard, which judges only
+        requests whose outcome this picker sees.
         False (nothing counted) when ``pod`` is no member here: a count no snapshot of a
         member would ever clear."""
         if pod not in self._endpoints:
             return False
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
         self._peer_in_flight[pod] = self._peer_in_flight.get(pod, 0) + 1
-        self._unreported.routed(pod)
+        self._unreported.routed(pod, prompt_tokens)
         return True
 
     def peer_finished(self, pod: str) -> None:
@@ -193,12 +196,12 @@ class PodTable:
         _decrement(self._in_flight, pod)
         _decrement(self._peer_in_flight, pod)
 
-    def served_elsewhere(self, routed: str, served: str) -> None:
+    def served_elsewhere(self, routed: str, served: str, prompt_tokens: int = 0) -> None:
         """The request routed to ``routed`` was served by ``served`` (the gateway went down the
-        fallback list): its in-flight count and load estimate move there."""
+        fallback list): its in-flight count and load estimate (``prompt_tokens``) move there."""
         self.finished(routed)
-        self._unreported.unrouted(routed)
-        self.started(served)
+        self._unreported.unrouted(routed, prompt_tokens)
+        self.started(served, prompt_tokens)
 
     def member_at(self, hostport: str) -> Endpoint | None:
         """The member endpoint at ``ip:port`` (None when no member is there)."""

@@ -30,14 +30,14 @@ exists, names are unique) and the conversion to wire messages live in :mod:`.loa
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
 
-API_GROUP = "inference.networking.x-k8s.io"
+API_GROUP: Final = "inference.networking.x-k8s.io"
 API_VERSIONS = (f"{API_GROUP}/v1alpha1", f"{API_GROUP}/v1alpha2")
-POOL_KIND = "InferencePool"
+POOL_KIND: Final = "InferencePool"
 MODEL_KIND = "InferenceModel"
 
 # A Kubernetes object name (DNS-1123 subdomain), so that a cluster accepts the same files.

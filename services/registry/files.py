@@ -24,12 +24,18 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
 import yaml
 
 from services.registry.loader import Document, Problem, Registry, build_registry
+
+if TYPE_CHECKING:  # libyaml's own Mark class, absent from PyYAML built without libyaml
+    from yaml._yaml import Mark as LibyamlMark
+
+# Where an event starts: each parser has its own Mark class (types-PyYAML allows None too).
+_Mark: TypeAlias = "yaml.Mark | LibyamlMark | None"
 
 YAML_SUFFIXES = (".yaml", ".yml")
 MAX_FILE_BYTES = 16 * 1024 * 1024
@@ -129,9 +135,9 @@ def parse(snapshot: FileSnapshot, cancelled: Callable[[], bool] = lambda: False,
                 index += 1
                 if cancelled():
                     raise LoadCancelled
-                if not loader.check_node():
+                node = loader.get_node() if loader.check_node() else None
+                if node is None:
                     break
-                node = loader.get_node()
                 lines: dict[str, int] = {}
                 found = list(_index_lines(node, "", node.start_mark.line + 1, lines, set(), set()))
                 if found:
@@ -156,8 +162,9 @@ class _FieldError(yaml.MarkedYAMLError):
     """A document over one of this module's limits, or a value its tag cannot convert, at
     ``field`` (a path in the notation of the problems)."""
 
-    def __init__(self, message: str, mark: yaml.Mark, field: str | None) -> None:
-        super().__init__(None, None, message, mark)
+    def __init__(self, message: str, mark: _Mark, field: str | None) -> None:
+        # types-PyYAML allows only yaml.Mark, but libyaml's parser raises these with its own.
+        super().__init__(None, None, message, mark)  # type: ignore[arg-type]
         self.field = field or None
 
 
@@ -175,6 +182,11 @@ class _BoundedLoader(yaml.composer.Composer, yaml.constructor.SafeConstructor,
     Every composed node's size and depth are measured with aliases expanded, from its children's
     measures (an alias refers to a node composed before it), so the check is linear in the text.
     """
+
+    # Supplied by the parser class mixed in after this one (annotations only: a method defined
+    # here would shadow the parser's).
+    peek_event: Callable[[], yaml.Event]
+    dispose: Callable[[], None]
 
     def __init__(self, text: str) -> None:
         self._start_parser(text)
@@ -205,7 +217,10 @@ class _BoundedLoader(yaml.composer.Composer, yaml.constructor.SafeConstructor,
         try:
             if len(self._path) > MAX_DEPTH:
                 raise self._exceeded(f"nested deeper than {MAX_DEPTH} levels", mark)
-            node = super().compose_node(parent, index)
+            # types-PyYAML is wrong twice here: ``index`` is an int only for a sequence item
+            # (PyYAML passes a mapping value's key node, None for the root), and the result is
+            # never None (a node, or an error).
+            node: yaml.Node = super().compose_node(parent, index)  # type: ignore[arg-type,assignment]
             if node not in self._measures:  # not an alias of a node measured before
                 self._measures[node] = self._measure(node, mark)
                 self._fields[node] = "".join(self._path)
@@ -213,7 +228,7 @@ class _BoundedLoader(yaml.composer.Composer, yaml.constructor.SafeConstructor,
             self._path.pop()
         return node
 
-    def _measure(self, node: yaml.Node, mark: yaml.Mark) -> tuple[int, int]:
+    def _measure(self, node: yaml.Node, mark: _Mark) -> tuple[int, int]:
         if isinstance(node, yaml.MappingNode):
             children = [child for pair in node.value for child in pair]
         elif isinstance(node, yaml.SequenceNode):
@@ -232,7 +247,7 @@ class _BoundedLoader(yaml.composer.Composer, yaml.constructor.SafeConstructor,
                                  "expanded)", mark)
         return values, depth
 
-    def _exceeded(self, message: str, mark: yaml.Mark) -> _FieldError:
+    def _exceeded(self, message: str, mark: _Mark) -> _FieldError:
         segments = [segment for segment in self._path if segment]
         shown = segments[:_FIELD_SEGMENTS_SHOWN]
         more = "..." if len(segments) > len(shown) else ""
@@ -274,7 +289,7 @@ class _PythonLoader(_BoundedLoader, yaml.reader.Reader, yaml.scanner.Scanner,
 # and size are bounded. The first is used.
 LOADERS: dict[str, type[_BoundedLoader]] = {}
 if yaml.__with_libyaml__:
-    from yaml.cyaml import CParser
+    from yaml._yaml import CParser
 
     class _LibyamlLoader(_BoundedLoader, CParser):
         """Events from libyaml."""

@@ -116,10 +116,10 @@ async def _serve(settings: RegistrySettings, override: EndpointsOverride | None,
     metrics = RegistryMetrics()
     source: KubeSource | None = None
     if settings.kubernetes:
-        reconciler: Reconciler = KubeReconciler(KubeState(), metrics,
-                                                resync_interval=settings.resync_interval)
+        kube = KubeReconciler(KubeState(), metrics, resync_interval=settings.resync_interval)
         source = KubeSource(make_client(settings.kubeconfig, settings.namespace),
-                            reconciler.state, reconciler.request_reload)
+                            kube.state, kube.request_reload)
+        reconciler: Reconciler = kube
     else:
         reconciler = Reconciler(settings.paths, metrics, watch_interval=settings.watch_interval,
                                 resync_interval=settings.resync_interval,

@@ -35,7 +35,7 @@ class Lifespan:
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         trace: TracebackType | None) -> bool:
-        return await self._stack.__aexit__(kind, error, trace)
+        return bool(await self._stack.__aexit__(kind, error, trace))
 
     def on_close(self, close: Callable[[], Awaitable[Any]], within: float) -> None:
         """Run ``close()`` on the way out, for at most ``within`` seconds (errors dropped)."""

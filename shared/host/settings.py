@@ -93,7 +93,7 @@ def _unwrap(kind: Any) -> tuple[Any, Any, Option | None]:
         kind = _without_none(kind)
     found = next((meta.extra["option"] for meta in metas if isinstance(meta, msgspec.Meta)
                   and meta.extra and "option" in meta.extra), None)
-    checked = Annotated[(kind, *metas)] if metas else kind  # type: ignore[valid-type]
+    checked = Annotated[(kind, *metas)] if metas else kind
     return kind, checked, found
 
 

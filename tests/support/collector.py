@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -73,13 +74,10 @@ async def snapshot_log(nc: Client) -> AsyncIterator[SnapshotLog]:
 
 def settings(nats_url: str, **overrides: object) -> CollectorSettings:
     """Collector settings for tests: relaxed cadence, no metrics port unless asked."""
-    values: dict[str, object] = {
-        "nats": NatsSettings(url=nats_url), "collector_id": "test-collector",
-        "interval_s": 0.2, "scrape_timeout_s": 0.15, "max_backoff_s": 0.8,
-        "heartbeat_s": 0.2, "metrics_port": 0,
-    }
-    values.update(overrides)
-    return CollectorSettings(**values)  # type: ignore[arg-type]
+    relaxed = CollectorSettings(nats=NatsSettings(url=nats_url), collector_id="test-collector",
+                                interval_s=0.2, scrape_timeout_s=0.15, max_backoff_s=0.8,
+                                heartbeat_s=0.2, metrics_port=0)
+    return msgspec.structs.replace(relaxed, **overrides)
 
 
 @contextlib.asynccontextmanager
@@ -99,11 +97,12 @@ async def running_collector(collector_settings: CollectorSettings) -> AsyncItera
 def collector_process(nats_url: str, collector_id: str, *flags: str,
                       log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``lig collector`` as a subprocess; killed at the end if still running."""
-    log_file = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    log_file = open(log_path, "wb") if log_path else None  # noqa: SIM115
+    output = log_file if log_file is not None else subprocess.DEVNULL
     process = subprocess.Popen(
         [str(LIG), "collector", "--nats-url", nats_url, "--collector-id", collector_id,
          "--metrics-port", "0", *flags],
-        stdout=log_file, stderr=log_file, env={**os.environ, "LIG_LOG_LEVEL": "INFO"},
+        stdout=output, stderr=output, env={**os.environ, "LIG_LOG_LEVEL": "INFO"},
     )
     try:
         yield process
@@ -111,5 +110,5 @@ def collector_process(nats_url: str, collector_id: str, *flags: str,
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.wait()
-        if log_path:
-            log_file.close()  # type: ignore[union-attr]
+        if log_file is not None:
+            log_file.close()

@@ -30,11 +30,18 @@ from services.picker.http2_limits import MIB, BufferBudget, Http2Limits
 PATH = b"/test.Echo/Chat"
 
 
-class FakeTransport:
+def decode_fields(decoder: hpack.Decoder, block: bytes) -> dict[str, str]:
+    """The header fields of an HPACK ``block``, as text."""
+    # raw=True: hpack annotates decode() as bytes pairs whatever ``raw`` says
+    return {name.decode(): value.decode() for name, value in decoder.decode(block, raw=True)}
+
+
+class FakeTransport(asyncio.Transport):
     """Collects what the connection writes; like asyncio's transports, it tells its protocol
     to pause writing once more than the high-water mark is unread (``written``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.written = bytearray()
         self.closed = False
         self.aborted = False
@@ -44,10 +51,12 @@ class FakeTransport:
         self.low_water = 0
         self.writing_paused = False
 
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        self.high_water, self.low_water = high, low
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        # asyncio's defaults for an omitted limit: 64 KiB high, a quarter of high low
+        self.high_water = high if high is not None else 64 * 1024
+        self.low_water = low if low is not None else self.high_water // 4
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
         if len(self.written) > self.high_water and not self.writing_paused \
                 and self.protocol is not None:
@@ -123,7 +132,7 @@ class Peer:
                                           limits=limits, budget=budget, reclaim=self._reclaim)
         self.transport = FakeTransport()
         self.transport.protocol = self.connection
-        self.connection.connection_made(self.transport)  # type: ignore[arg-type]
+        self.connection.connection_made(self.transport)
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.server_greeting = self.read()
@@ -155,7 +164,7 @@ class Peer:
         return frame(HEADERS, flags, stream_id, block)
 
     def header_fields(self, block: bytes) -> dict[str, str]:
-        return {name: value for name, value in self.decoder.decode(block)}
+        return decode_fields(self.decoder, block)
 
 
 class RawClient:
@@ -234,8 +243,7 @@ class RawClient:
         """The grpc-status of a call that ended (None: not ended)."""
         for kind, flags, sid, payload in self.frames:
             if kind == HEADERS and sid == stream_id and flags & END_STREAM:
-                fields = dict(self.decoder.decode(payload))
-                return fields.get("grpc-status")
+                return decode_fields(self.decoder, payload).get("grpc-status")
         return None
 
     def answers(self, stream_id: int) -> bytes:

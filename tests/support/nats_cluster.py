@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 
 from tests.support.nats_server import NatsServer
@@ -108,7 +109,7 @@ class NatsCluster:
             await nc.close()
 
 
-async def _jetstream_answers(nc: nats.NATS) -> bool:
+async def _jetstream_answers(nc: Client) -> bool:
     try:
         reply = await nc.request("$JS.API.INFO", b"", timeout=0.5)
     except (nats.errors.Error, TimeoutError):
@@ -116,7 +117,7 @@ async def _jetstream_answers(nc: nats.NATS) -> bool:
     return "error" not in json.loads(reply.data)
 
 
-async def _can_place(nc: nats.NATS, replicas: int) -> bool:
+async def _can_place(nc: Client, replicas: int) -> bool:
     js = nc.jetstream(timeout=2)
     try:
         await js.add_stream(StreamConfig(name="PLACEMENT_PROBE", subjects=["placement.probe"],

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,8 +30,10 @@ class PickerProcess:
     """One picker subprocess; ``endpoint`` is what Envoy's picker cluster needs."""
 
     def __init__(self, pool: str, nats_url: str, workdir: Path, stale_after: float = 1.0,
-                 extra_args: tuple[str, ...] = (), log_level: str = "INFO") -> None:
+                 extra_args: tuple[str, ...] = (), log_level: str = "INFO",
+                 env: dict[str, str] | None = None) -> None:
         self.pool = pool
+        self.env = env or {}  # added to the environment (e.g. PYTHONPATH of an older revision)
         self.nats_url = nats_url
         self.grpc_port = free_port()
         self.health_port = free_port()
@@ -59,7 +62,8 @@ class PickerProcess:
         """Start the process (returns at once; see :meth:`wait_ready`)."""
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                 **self.env},
                                             preexec_fn=die_with_parent)
         return self
 
@@ -67,7 +71,9 @@ class PickerProcess:
         """The gRPC health status of ``service`` (None when the port does not answer)."""
         with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
+                # types-grpcio-health-checking's HealthStub lacks the methods the generated
+                # __init__ sets up from the channel.
+                reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                     health_pb2.HealthCheckRequest(service=service), timeout=1)
             except grpc.RpcError:
                 return None
@@ -121,8 +127,9 @@ def picker_process(tmp_path: Path) -> Iterator[Callable[..., PickerProcess]]:
     """Factory fixture: ``picker_process(pool, nats_url, **options)`` starts a picker."""
     started: list[PickerProcess] = []
 
-    def factory(pool: str, nats_url: str, **options: object) -> PickerProcess:
-        picker = PickerProcess(pool, nats_url, tmp_path, **options).start()  # type: ignore[arg-type]
+    # ``options`` are PickerProcess's keyword arguments, checked by its signature.
+    def factory(pool: str, nats_url: str, **options: Any) -> PickerProcess:
+        picker = PickerProcess(pool, nats_url, tmp_path, **options).start()
         started.append(picker)
         return picker
 

@@ -12,6 +12,7 @@ from nats.js.kv import KeyValue
 
 from services.picker.routing import Router
 from shared.nats_connection import NatsSettings, connect
+from shared.registry_view import RegistryChanges, RegistryView
 from shared.schemas import InferenceModel, TargetModel, encode
 from shared.subjects import Subjects, model_key
 
@@ -22,10 +23,10 @@ class TimedRouter(Router):
     busy = 0.0
     updates = 0
 
-    def update(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def update(self, view: RegistryView, changes: RegistryChanges | None = None) -> None:
         """:meth:`Router.update`, timed and counted."""
         start = time.process_time()
-        super().update(*args, **kwargs)
+        super().update(view, changes)
         self.busy += time.process_time() - start
         self.updates += 1
 

@@ -15,11 +15,7 @@ import contextlib
 import threading
 
 import msgspec
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover
-    uvloop = None
+import uvloop
 
 
 class _Request(msgspec.Struct):
@@ -46,8 +42,10 @@ class _Protocol(asyncio.Protocol):
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+    # typeshed keeps BaseProtocol's BaseTransport here, but a stream protocol is always given a
+    # Transport (uvloop's is not a subclass of asyncio.Transport, so isinstance cannot narrow).
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._transport = transport
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
@@ -236,9 +234,8 @@ def main() -> None:
     parser.add_argument("--name", default="upstream")
     args = parser.parse_args()
     server = UpstreamServer(args.name, args.port, args.host, keep=0)
-    runner = uvloop.run if uvloop is not None else asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        runner(server.serve())
+        uvloop.run(server.serve())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""``token_load``: prefer pods with fewer prompt tokens routed to them but not yet reported.
+
+Score ``1 / (1 + unreported_tokens / token_scale)``: 1 for a pod that got nothing since its
+snapshot, 0.5 at ``token_scale`` tokens. The scale is absolute, not relative to the other pods,
+so three 50-token prompts barely count while three 8,000-token prompts weigh like the prefill
+work they are (a request count treats them alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+
+from scheduling.plugin import PluginRecord
+from scheduling.types import PodView, SchedulingRequest
+
+
+class TokenLoadParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``token_scale``: the unreported prompt tokens that halve a pod's score."""
+
+    token_scale: Annotated[int, msgspec.Meta(ge=1)] = 4096
+
+
+class TokenLoad:
+    """Score ``1 / (1 + unreported_tokens / token_scale)``."""
+
+    __slots__ = ("_scale",)
+
+    def __init__(self, token_scale: int) -> None:
+        self._scale = float(token_scale)
+
+    def score(self, request: SchedulingRequest, pods: Sequence[PodView]) -> list[float]:
+        """One score per pod, in (0, 1]."""
+        scale = self._scale
+        return [scale / (scale + pod.unreported_tokens) for pod in pods]
+
+
+PLUGIN = PluginRecord("token_load", "scorer", TokenLoad, TokenLoadParams)

@@ -1,0 +1,74 @@
+"""The picker's decision core, built one way for ``lig picker``, ``lig bench`` and ``lig explain``.
+
+The core is a :class:`~services.picker.pools.Gateway`: per served pool a
+:class:`~services.picker.routing.Router` (model resolution with the weighted draw, criticality,
+the pool's policy) over a :class:`~services.picker.state.PodTable` (snapshots, freshness, load
+estimate, in-flight counts, gray pods). ext_proc feeds it request bodies (``route``) and stream
+ends (``started`` / ``finished``); the metrics feed feeds it snapshots. The benchmark drives the
+very same objects in virtual time (``clock``), so its numbers describe the code that ships.
+
+It is configured with ``lig picker``'s own settings
+(:class:`~services.picker.settings.PickerSettings`): ``lig picker`` passes its flags, the
+benchmark the defaults (plus its pool), so ``lig bench --policies default`` runs exactly what a
+picker started without flags runs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from services.picker.gray_pods import GrayPods
+from services.picker.pools import Gateway, UnknownModels
+from services.picker.routing import DecisionCallback, Router
+from services.picker.settings import PickerSettings
+from services.picker.state import PodTable
+
+
+class CoreHooks(msgspec.Struct, frozen=True):
+    """Where the core reports what a service counts (all optional: a tool ignores them)."""
+
+    on_gray_exclusion: Callable[[str, str], None] = lambda pod, reason: None
+    on_all_stale: Callable[[], None] = lambda: None
+    on_conflicts: Callable[[int], None] = lambda count: None
+
+
+def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
+                  clock: Callable[[], float] = time.monotonic, hooks: CoreHooks | None = None,
+                  on_decision: DecisionCallback | None = None,
+                  picker_id: str = "") -> Gateway:
+    """The decision core over ``settings.pools`` (empty: every pool of the registry), with the
+    settings' staleness, load estimate, gray-pod, fallback and unknown-model behaviour.
+
+    ``rng`` defaults to one seeded with ``settings.seed``.
+    ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench).
+    ``on_decision(pool, event)`` receives the core's own routed/finished/shed events for the
+    decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
+    twice); peers' events are applied with ``Gateway.apply_peer`` and expire on ``clock``
+    (``Gateway.expire_peers``, after ``settings.decision_request_ttl`` for a lone request).
+    """
+    hooks = hooks if hooks is not None else CoreHooks()
+    rng = rng if rng is not None else random.Random(settings.seed)
+
+    def make_router(pool: str) -> Router:
+        pods = PodTable(settings.stale_after, clock=clock, load_estimate=settings.load_estimate,
+                        gray=GrayPods(settings.gray_after, settings.outcome_sample,
+                                      on_exclude=hooks.on_gray_exclusion))
+        return Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
+                      fallbacks=settings.fallbacks,
+                      prefix_entries=settings.prefix_index_entries)
+
+    unknown = UnknownModels(reject=settings.reject_unknown_models,
+                            default_pool=settings.default_pool)
+    gateway = Gateway(settings.pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts,
+                      on_decision=on_decision, picker_id=picker_id, clock=clock)
+    gateway.peers.request_ttl = settings.decision_request_ttl
+    return gateway
+
+
+def shares_decisions() -> bool:
+    """Whether this core can publish its decisions and apply its peers' (the decision stream)."""
+    return hasattr(Gateway, "apply_peer")
