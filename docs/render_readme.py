@@ -73,6 +73,7 @@ def environment_section() -> str:
 
 def _metric_registries() -> dict[str, Callable[[], CollectorRegistry]]:
     from services.collector.observability import CollectorMetrics
+    from services.kvevents.observability import KVEventsMetrics
     from services.picker.observability import PickerMetrics
     from services.registry.metrics import RegistryMetrics
 
@@ -85,6 +86,7 @@ def _metric_registries() -> dict[str, Callable[[], CollectorRegistry]]:
         "lig picker (`--metrics-port`, 9090)": picker,
         "lig collector (`--metrics-port`, 9091)": lambda: CollectorMetrics().prometheus,
         "lig registry (`--metrics-port`, 9092)": lambda: RegistryMetrics().prometheus,
+        "lig kv-events (`--metrics-port`, 9093)": lambda: KVEventsMetrics().prometheus,
     }
 
 

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("lig.status", "show pods, their latest metrics and freshness, and picker counts"),
     "picker": ("services.picker.main", "serve Envoy ext_proc: pick a pod per request"),
     "collector": ("services.collector.main", "scrape model servers and publish metric snapshots"),
+    "kv-events": ("services.kvevents.main",
+                  "republish vLLM KV-cache events of every pod as block changes on NATS"),
     "registry": ("services.registry.main", "publish pools, models and endpoints from YAML files"),
     "sim": ("simulator.main", "run simulated vLLM model servers (OpenAI API and vLLM metrics)"),
     "explain": ("lig.explain", "run a scheduling policy on given pods and show every step"),

@@ -7,8 +7,9 @@ What each service may do (``P`` is the subject prefix, ``B`` the registry bucket
 |---|---|---|---|
 | registry | ``$KV.B.>`` (puts, deletes) | replies | creates, updates and reads ``KV_B`` |
 | collector | ``P.metrics.>``, ``P.collectors.>`` | ``P.collectors.*`` | manages ``S``; reads KV |
-| picker | ``P.decisions.>`` | ``P.metrics.>``, ``P.decisions.>`` | reads ``KV_B`` |
-| status | nothing | ``P.metrics.>``, ``P.collectors.*`` | reads ``KV_B`` and ``S`` |
+| kv-events | ``P.kvblocks.>`` | nothing | manages ``P_KVBLOCKS``; reads ``KV_B`` |
+| picker | ``P.decisions.>`` | ``P.metrics.>``, ``P.kvblocks.>``, ``P.decisions.>`` | ``KV_B`` |
+| status | nothing | ``P.metrics.>``, ``P.kvblocks.>``, ``P.collectors.*`` | reads all three |
 | replay | everything above, under its own prefix only | same | same, on its own bucket/stream |
 
 JetStream is reached by requests to ``$JS.API.<verb>.<stream>...``; the reply comes back on the
@@ -26,7 +27,7 @@ from shared.subjects import Subjects
 
 JS_API = "$JS.API"
 REPLIES = "_INBOX.>"
-SERVICES = ("registry", "collector", "picker", "status", "replay")
+SERVICES = ("registry", "collector", "kv-events", "picker", "status", "replay")
 
 
 class SubjectRules(msgspec.Struct, frozen=True):
@@ -92,16 +93,22 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
         publish = [subjects.all_metrics(), heartbeats, *_manage_stream(subjects.metrics_stream),
                    *_read_stream(bucket)]
         subscribe = [subjects.all_collector_heartbeats()]
+    elif service == "kv-events":
+        publish = [subjects.all_kv_blocks(), *_manage_stream(subjects.kv_blocks_stream),
+                   *_read_stream(bucket)]
+        subscribe = []
     elif service == "picker":
         publish = [decisions(subjects), *_read_stream(bucket)]
-        subscribe = [subjects.all_metrics(), decisions(subjects)]
+        subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(), decisions(subjects)]
     elif service == "status":
-        publish = [*_read_stream(bucket), *_read_stream(subjects.metrics_stream)]
-        subscribe = [subjects.all_metrics(), subjects.all_collector_heartbeats()]
+        publish = [*_read_stream(bucket), *_read_stream(subjects.metrics_stream),
+                   *_read_stream(subjects.kv_blocks_stream)]
+        subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(),
+                     subjects.all_collector_heartbeats()]
     elif service == "replay":
         # Everything the producing services may do, but only under the replay prefix.
         parts = [service_permissions(name, replay, replay)
-                 for name in ("registry", "collector", "picker", "status")]
+                 for name in ("registry", "collector", "kv-events", "picker", "status")]
         publish = [rule for part in parts for rule in part.publish.allow]
         subscribe = [rule for part in parts for rule in part.subscribe.allow]
     else:

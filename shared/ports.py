@@ -15,3 +15,6 @@ PICKER_HEALTH = 9003  # gRPC health
 PICKER_METRICS = 9090
 COLLECTOR_METRICS = 9091
 REGISTRY_METRICS = 9092
+KV_EVENTS = 5557  # vLLM's default KV-cache event PUB port (--kv-events-config)
+KV_EVENTS_REPLAY = 5558  # the replay ROUTER port vLLM's docs use
+KV_EVENTS_METRICS = 9093  # lig kv-events' own /metrics

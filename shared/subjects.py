@@ -69,6 +69,19 @@ class Subjects(Struct, frozen=True):
         """Wildcard over every snapshot (the recording stream's subjects)."""
         return f"{self.prefix}.metrics.>"
 
+    @property
+    def kv_blocks_stream(self) -> str:
+        """JetStream stream recording the pods' KV block-set changes (``LIG_KVBLOCKS``)."""
+        return f"{self.prefix.replace('.', '_').upper()}_KVBLOCKS"
+
+    def kv_blocks(self, pool: str, pod: str) -> str:
+        """Where one pod's KV block-set changes are published (``lig kv-events``)."""
+        return f"{self.prefix}.kvblocks.{escape_token(pool)}.{escape_token(pod)}"
+
+    def all_kv_blocks(self) -> str:
+        """Wildcard over every pod's KV block-set changes."""
+        return f"{self.prefix}.kvblocks.>"
+
     def collector_heartbeat(self, collector_id: str) -> str:
         """Where a collector announces itself for work sharing."""
         return f"{self.prefix}.collectors.{escape_token(collector_id)}"

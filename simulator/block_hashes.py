@@ -48,6 +48,19 @@ def hash_blocks(
         hashes.append(parent)
 
 
+def token_ids(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """The token ids of tokens ``start:end`` of a request, or () when some are not known as ids
+    (synthetic prompts, generated tokens with no ``output`` ids)."""
+    num_prompt = request.num_prompt_tokens
+    ids, output = request._ids, request.spec.output
+    if (start < num_prompt and ids is None) or (end > num_prompt and output is None):
+        return ()
+    prompt_part = ids[start:min(end, num_prompt)] if ids is not None else ()
+    if end <= num_prompt or output is None:
+        return prompt_part
+    return prompt_part + output[max(start, num_prompt) - num_prompt : end - num_prompt]
+
+
 def _content(request: Request, start: int, end: int) -> tuple[object, ...]:
     """A hashable description of the full block of tokens ``start:end`` of a request."""
     num_prompt = request.num_prompt_tokens

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
+from shared.kv_events import Encoding
 from simulator import tokenizer
 from simulator.engine import (
     Engine,
@@ -43,6 +44,7 @@ from simulator.engine import (
     UnknownAdapterError,
 )
 from simulator.http_server import HttpRequest, Response, StreamResponse, serve
+from simulator.kv_events import EventPublisher, KVEventsConfig
 from simulator.metrics_page import MetricsPage
 from simulator.openai_api import (
     ApiError,
@@ -93,6 +95,15 @@ class PodSettings(msgspec.Struct, frozen=True):
     seed: int = 0
     output_len_median: float = 128.0
     faults: Faults = Faults()
+    kv_events: KVEventsConfig = KVEventsConfig()
+    kv_events_encoding: Encoding = "map"
+
+
+class KVEventFault(msgspec.Struct, frozen=True):
+    """``POST /admin/kv-events``: the next ``drop`` batches are buffered for replay but not
+    sent on the PUB socket (what a subscriber that lost messages sees)."""
+
+    drop: int = 0
 
 
 Route = Callable[[HttpRequest], Awaitable[Response | StreamResponse]]
@@ -128,12 +139,21 @@ class SimulatedPod:
             ("GET", "/metrics"): self._metrics,
             ("GET", "/admin/faults"): self._get_faults,
             ("POST", "/admin/faults"): self._set_faults,
+            ("POST", "/admin/kv-events"): self._set_kv_event_fault,
         }
+        self.kv_events: EventPublisher | None = None
         self._task: asyncio.Task[None] | None = None
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
-        """Start stepping the engine and listening on ``host:port``."""
+        """Start stepping the engine and listening on ``host:port`` (and publishing KV-cache
+        events on their port + the pod's index, when configured)."""
+        config = self.settings.kv_events
+        if config.enabled:
+            self.kv_events = EventPublisher(config, self.settings.kv_events_encoding, host,
+                                            self.settings.index)
+            self.kv_events.start()
+            self.engine.kv.events = []
         self._task = asyncio.create_task(self.runner.run(), name=f"sim-pod-{self.settings.index}")
         self._task.add_done_callback(self._runner_stopped)
         self._server = await serve(self.handle, error_body, host, port)
@@ -150,6 +170,8 @@ class SimulatedPod:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     def set_faults(self, faults: Faults) -> None:
         """Replace the injected faults."""
@@ -314,6 +336,21 @@ class SimulatedPod:
             if not request.finished:
                 self.runner.abort(request)
 
+    async def _set_kv_event_fault(self, request: HttpRequest) -> Response:
+        if self.kv_events is None:
+            return Response(409, b'{"detail":"KV-cache events are off"}')
+        try:
+            fault = msgspec.json.decode(request.body, type=KVEventFault)
+        except msgspec.DecodeError as error:
+            return Response(400, msgspec.json.encode({"detail": str(error)}))
+        self.kv_events.drop_next = max(0, fault.drop)
+        return Response(200, msgspec.json.encode({"drop": self.kv_events.drop_next,
+                                                  "seq": self.kv_events.seq}))
+
     def _record_step(self, result: StepResult) -> None:
+        events = self.engine.kv.events
+        if events and self.kv_events is not None:
+            self.kv_events.publish(events)
+            self.engine.kv.events = []
         snapshot = self.engine.snapshot() if self.settings.engine.adapters else None
         self.metrics.record_step(result, snapshot)

@@ -12,12 +12,18 @@ Hashes are made by ``block_hashes`` (it knows the tokens); this module only maps
 blocks. The engine may leave a block's content out of the map while no other request can ask for
 it (see ``prefix_sharing``); it then notes the block's position in the free queue when it frees
 it, and can tell later whether the block still holds that content (``still_free``).
+
+KV-cache events (vLLM's ``--kv-events-config``): when ``events`` is a list, blocks losing their
+content append a ``BlockRemoved`` to it (``prefix_sharing`` appends the ``BlockStored``); when it
+is None (the default) nothing is recorded and allocation costs what it did.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+
+from shared.kv_events import BlockRemoved, Event
 
 
 class KVCache:
@@ -45,6 +51,8 @@ class KVCache:
         self.dequeued = 0
         """Free queue positions consumed: the block at position ``p`` left the queue (or was
         taken from it) once ``p < dequeued``, see ``still_free``."""
+        self.events: list[Event] | None = None
+        """KV-cache events since the publisher last took them; None: not recorded."""
 
     @property
     def num_free(self) -> int:
@@ -106,21 +114,29 @@ class KVCache:
         block_of = self._block_of
         if block_of:  # some blocks hold cached content: the ones taken lose it
             hash_of = self._hash_of
+            removed: list[int] | None = [] if self.events is not None else None
             for block in taken:
                 old_hash = hash_of[block]
                 if old_hash is not None:
                     hash_of[block] = None
                     del block_of[old_hash]
+                    if removed is not None:
+                        removed.append(old_hash)
+            if removed and self.events is not None:
+                self.events.append(BlockRemoved(tuple(removed), "GPU"))
         return taken
 
-    def cache(self, block: int, block_hash: int) -> None:
-        """Record that full ``block`` holds the content identified by ``block_hash``."""
+    def cache(self, block: int, block_hash: int) -> bool:
+        """Record that full ``block`` holds the content identified by ``block_hash``; True if
+        it entered the hash map (a new cached block)."""
         if not self.enable_prefix_caching or block_hash in self._block_of:
             # The same content computed twice at once: the first copy stays the cached one.
-            return
+            return False
         if self._hash_of[block] is None:
             self._hash_of[block] = block_hash
             self._block_of[block_hash] = block
+            return True
+        return False
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one request's references; blocks freed last-to-first so tails are evicted first.

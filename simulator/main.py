@@ -12,10 +12,12 @@ import logging
 
 import msgspec
 
+from shared.kv_events import ENCODINGS
 from shared.logs import add_logging_arguments, setup_logging
 from shared.service import run_service
 from simulator.engine import EngineConfig
 from simulator.http_app import GRAY_MODES, Faults, PodSettings, SimulatedPod
+from simulator.kv_events import KVEventsConfig, parse_config
 from simulator.metrics_page import FORMATS
 from simulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
@@ -73,6 +75,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gray-mode", choices=GRAY_MODES[1:], default="hang",
                         help="how the --gray-pod pods fail")
+    # KV-cache events (docs/kv-events.md).
+    parser.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="vLLM's KV-cache event config, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+        "\"tcp://*:5558\"}'; pod i publishes on both ports + i, '*' meaning --host",
+    )
+    parser.add_argument(
+        "--kv-events-encoding", choices=ENCODINGS, default="map",
+        help="event encoding: map (tagged with \"type\", vLLM since mid-2026) or array "
+        "(positional, vLLM up to 0.23)",
+    )
     add_logging_arguments(parser)
 
 
@@ -114,6 +128,8 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
     if not gray <= set(range(args.pods)):
         raise ValueError("--gray-pod must name pods 0..--pods-1")
     gray_faults = msgspec.structs.replace(faults, gray=args.gray_mode)
+    kv_events = parse_config(args.kv_events_config) if args.kv_events_config else \
+        KVEventsConfig()
     return [
         PodSettings(
             engine=engine,
@@ -123,6 +139,8 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
             seed=args.seed,
             output_len_median=args.output_len_median,
             faults=gray_faults if index in gray else faults,
+            kv_events=kv_events,
+            kv_events_encoding=args.kv_events_encoding,
         )
         for index in range(args.pods)
     ]

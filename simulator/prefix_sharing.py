@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from simulator.block_hashes import hash_blocks
+from shared.kv_events import BlockStored
+from simulator.block_hashes import hash_blocks, token_ids
 from simulator.kv_cache import KVCache
 from simulator.request import NEVER, Request, Status
 
@@ -75,9 +76,36 @@ class PrefixSharing:
         hashes = request.block_hashes
         kv = self.kv
         last = request._parked_position + len(blocks) - 1  # the free queue position of blocks[0]
+        if kv.events is not None:
+            self._offer_recording(request, end, blocks, parked, last)
+            return
         for index in range(request._num_offered, end):
             if not parked or kv.still_free(last - index):
                 kv.cache(blocks[index], hashes[index])
+        request._num_offered = end
+
+    def _offer_recording(self, request: Request, end: int, blocks: list[int], parked: bool,
+                         last: int) -> None:
+        """``offer``, recording a ``BlockStored`` per run of blocks that entered the cache (as
+        vLLM does, with the hash of the block before the run as parent)."""
+        hashes = request.block_hashes
+        kv = self.kv
+        events = kv.events
+        assert events is not None
+        run: list[int] = []  # indexes of the current run of newly cached blocks
+        for index in range(request._num_offered, end + 1):
+            stored = index < end and (not parked or kv.still_free(last - index)) \
+                and kv.cache(blocks[index], hashes[index])
+            if stored:
+                run.append(index)
+            elif run:
+                first = run[0]
+                events.append(BlockStored(
+                    tuple(hashes[first : first + len(run)]),
+                    hashes[first - 1] if first else None,
+                    token_ids(request, first * self.block_size, index * self.block_size),
+                    self.block_size, request.adapter, "GPU"))
+                run = []
         request._num_offered = end
 
     def preempted(self, request: Request) -> None:

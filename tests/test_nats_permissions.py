@@ -14,11 +14,14 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from lig.nats_config import write_config
 from lig.server_binaries import server_binary
+from services.kvevents.recording import stream_config
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
+from shared.recording import ensure_stream
 from shared.schemas import PodMetrics, encode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer
@@ -30,7 +33,7 @@ from tests.support.waiting import eventually
 
 SUBJECTS = Subjects()
 REPLAY = Subjects("lig-replay")
-SERVICES = ("registry", "collector", "picker", "status", "replay")
+SERVICES = ("registry", "collector", "kv-events", "picker", "status", "replay")
 # JetStream request timeout where a denied request is expected: it gets no answer and times out.
 # The same contexts also make allowed requests, so not too short for a busy machine.
 DENIED_S = 3.0
@@ -242,6 +245,46 @@ async def test_a_collector_cannot_write_the_registry(secured: SecuredNats) -> No
         await collector.close()
     assert any("permissions violation for publish to \"$kv.lig-registry" in e.lower()
                for e in errors), errors
+
+
+async def test_kv_events_publishes_block_changes_and_records_them_only(
+    secured: SecuredNats,
+) -> None:
+    await publish_registry(secured)
+    errors: list[str] = []
+    kv_events = await secured.connect("kv-events", errors)
+    picker = await secured.connect("picker", [])
+    try:
+        # Its job: publish block changes, which pickers hear, and manage their stream.
+        subject = SUBJECTS.kv_blocks("pool-a", "pod-0")
+        got = await heard(secured, SUBJECTS.all_kv_blocks(), kv_events, subject, b"changes",
+                          expect=True)
+        assert len(got) == 1
+        heard_by_picker: list[bytes] = []
+
+        async def keep(msg: Msg) -> None:
+            heard_by_picker.append(msg.data)
+
+        await picker.subscribe(SUBJECTS.all_kv_blocks(), cb=keep)
+        await picker.flush()
+        await kv_events.publish(subject, b"again")
+        await kv_events.flush()
+        await eventually(lambda: heard_by_picker == [b"again"], within=5,
+                         what="the picker hears block changes")
+        wanted = stream_config(SUBJECTS, 60.0, 1 << 20)
+        assert await ensure_stream(kv_events.jetstream(), wanted) == "created"
+        # Not its job: snapshots, the registry, the pickers' block changes stream from a picker.
+        got = await heard(secured, SUBJECTS.all_metrics(), kv_events,
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
+        assert got == []
+        kv = await kv_events.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await kv.put("endpoints.pool-a", b"poisoned")
+        got = await heard(secured, SUBJECTS.all_kv_blocks(), picker, subject, b"forged")
+        assert got == []
+    finally:
+        await kv_events.close()
+        await picker.close()
 
 
 async def test_status_reads_only_and_replay_writes_only_under_its_prefix(

@@ -17,6 +17,9 @@ import pytest
 
 from services.collector.main import configure as collector_flags
 from services.collector.main import settings_from as collector_settings
+from services.kvevents.main import configure as kv_events_flags
+from services.kvevents.main import settings_from as kv_events_settings
+from services.kvevents.targets import PortSpec
 from services.picker.main import configure as picker_flags
 from services.picker.main import settings_from as picker_settings
 from services.registry.main import configure as registry_flags
@@ -69,36 +72,54 @@ def test_flags_win_over_the_environment_which_wins_over_defaults(
     assert registry_settings(parse(registry_flags, "a.yaml")).watch_interval == 0
 
 
-def test_older_variable_names_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIG_POOL", "a, b,a")
-    monkeypatch.setenv("LIG_PICKER_SERVER", "grpc-aio")
-    settings = picker_settings(parse(picker_flags))
-    assert (settings.pools, settings.server) == (["a", "b"], "grpc-aio")
-    monkeypatch.setenv("LIG_SERVER", "builtin")  # the new name wins over the old one
-    assert picker_settings(parse(picker_flags)).server == "builtin"
-    monkeypatch.setenv("LIG_REGISTRY_PATHS", "x.yaml:y")
-    monkeypatch.setenv("LIG_REGISTRY_ALLOW_EMPTY", "1")
-    registry = registry_settings(parse(registry_flags))
-    assert (registry.paths, registry.allow_empty) == (["x.yaml", "y"], True)
+def test_kv_events_reads_every_flag_from_its_variable_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = kv_events_settings(parse(kv_events_flags))
+    assert (defaults.events, defaults.replay, defaults.metrics_port) == (
+        PortSpec(5557), PortSpec(5558), 9093)
+    for variable, value in (("LIG_EVENTS_PORT", "+1000"), ("LIG_REPLAY_PORT", "none"),
+                            ("LIG_DP_RANKS", "2"), ("LIG_SHARDS", "3"), ("LIG_SHARD", "2"),
+                            ("LIG_REPLAY_TIMEOUT", "0.5"), ("LIG_MAX_MESSAGE_BYTES", "4096"),
+                            ("LIG_RECORD_MAX_AGE", "0"), ("LIG_RECORD_MAX_BYTES", "1024"),
+                            ("LIG_METRICS_PORT", "0")):
+        monkeypatch.setenv(variable, value)
+    settings = kv_events_settings(parse(kv_events_flags))
+    assert (settings.events, settings.replay, settings.dp_ranks, settings.shards,
+            settings.shard, settings.stream.replay_timeout_s, settings.limits.max_message_bytes,
+            settings.record_max_age_s, settings.record_max_bytes, settings.metrics_port) == (
+        PortSpec(1000, relative=True), None, 2, 3, 2, 0.5, 4096, 0.0, 1024, 0)
+    assert kv_events_settings(parse(kv_events_flags, "--events-port", "-443")).events \
+        == PortSpec(-443, relative=True)
 
 
-@pytest.mark.parametrize(("variable", "value", "flag"), [
-    ("LIG_GRPC_PORT", "ninety", "--grpc-port"),
-    ("LIG_STALE_AFTER", "0", "--stale-after"),
-    ("LIG_WORKERS", "0", "--workers"),
-    ("LIG_REJECT_UNKNOWN_MODELS", "maybe", "--reject-unknown-models"),
-    ("LIG_NATS_REPLICAS", "9", "--nats-replicas"),
+SETTINGS = {"picker": (picker_flags, picker_settings),
+            "kv-events": (kv_events_flags, kv_events_settings)}
+
+
+@pytest.mark.parametrize(("service", "variable", "value", "flag"), [
+    ("picker", "LIG_GRPC_PORT", "ninety", "--grpc-port"),
+    ("picker", "LIG_STALE_AFTER", "0", "--stale-after"),
+    ("picker", "LIG_WORKERS", "0", "--workers"),
+    ("picker", "LIG_REJECT_UNKNOWN_MODELS", "maybe", "--reject-unknown-models"),
+    ("picker", "LIG_NATS_REPLICAS", "9", "--nats-replicas"),
+    ("kv-events", "LIG_EVENTS_PORT", "eighty", "--events-port"),
+    ("kv-events", "LIG_REPLAY_PORT", "70000", "--replay-port"),
+    ("kv-events", "LIG_DP_RANKS", "0", "--dp-ranks"),
+    ("kv-events", "LIG_SHARD", "1", "--shard"),
+    ("kv-events", "LIG_MAX_MESSAGE_BYTES", "63", "--max-message-bytes"),
 ])
 def test_a_bad_variable_is_an_error_naming_the_variable_and_the_flag(
-        monkeypatch: pytest.MonkeyPatch, variable: str, value: str, flag: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, service: str, variable: str, value: str,
+        flag: str) -> None:
+    configure, settings_from = SETTINGS[service]
     monkeypatch.setenv(variable, value)
     with pytest.raises(ConfigError) as error:
-        picker_settings(parse(picker_flags))
+        settings_from(parse(configure))
     assert variable in str(error.value) and flag in str(error.value)
 
 
 def test_help_names_the_variable_of_every_flag() -> None:
-    for configure in (picker_flags, collector_flags, registry_flags):
+    for configure in (picker_flags, collector_flags, registry_flags, kv_events_flags):
         parser = argparse.ArgumentParser()
         configure(parser)  # type: ignore[operator]
         for action in parser._actions:
@@ -113,7 +134,7 @@ def _taken_port() -> socket.socket:
     return holder
 
 
-@pytest.mark.parametrize("service", ["picker", "collector", "registry"])
+@pytest.mark.parametrize("service", ["picker", "collector", "registry", "kv-events"])
 def test_a_port_in_use_ends_every_service_the_same_way(service: str, tmp_path: Path) -> None:
     pools = tmp_path / "pools.yaml"
     pools.write_text(POOL_YAML)
@@ -124,6 +145,7 @@ def test_a_port_in_use_ends_every_service_the_same_way(service: str, tmp_path: P
                        "--health-port", str(free_port())],
             "collector": [],
             "registry": [str(pools)],
+            "kv-events": [],
         }[service]
         result = subprocess.run(
             [sys.executable, "-m", "lig.cli", service, *command, "--host", "127.0.0.1",

@@ -1,0 +1,259 @@
+"""``lig kv-events``: subscribe to every pod's vLLM KV-cache events, republish block changes.
+
+A service beside the collector rather than inside it: it holds one long-lived ZMQ connection per
+pod (the collector holds none), its failure modes (a flood, a stuck replay, a decoder bug) must
+not delay metric snapshots, and a fleet without events does not run it at all. Pods come from
+the registry; ``--shards``/``--shard`` split them between replicas by the collector's
+rendezvous hashing. Wiring only: :class:`~services.kvevents.pod_stream.PodStream` does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Annotated, Any
+
+import msgspec
+import zmq.asyncio
+from nats.aio.client import Client
+
+from services.kvevents.observability import KVEventsMetrics
+from services.kvevents.pod_stream import PodEndpoints, PodStream, StreamSettings
+from services.kvevents.recording import stream_config
+from services.kvevents.targets import PortSpec, parse_port, pods_from_view
+from shared import ports
+from shared.host.lifespan import Lifespan
+from shared.host.settings import add_flags, from_args, option
+from shared.kv_blocks import KVBlockChanges, encode
+from shared.kv_events import KVEventDecoder, Limits
+from shared.logs import LogLevel, setup_logging
+from shared.nats_connection import NatsSettings, connection
+from shared.recording import keep_stream
+from shared.registry_view import RegistryView, RegistryWatcher
+from shared.replication import warn_about_replication
+from shared.service import run_service
+from shared.subjects import Subjects
+
+log = logging.getLogger("lig.kv_events")
+
+SHUTDOWN_TIMEOUT_S = 1.0
+MAX_DP_RANKS = 1024
+
+
+class KVEventsSettings(msgspec.Struct, frozen=True):
+    """Everything ``lig kv-events`` is configured with: one field per flag."""
+
+    nats: NatsSettings = NatsSettings()
+    # Text as given (the registry has no events port): N, +N or -N, read by events/replay.
+    events_port: Annotated[str, option(
+        "each pod's KV-event PUB port: N, or +N/-N relative to the port the pod serves on "
+        "(several pods on one host, as with lig sim)", metavar="PORT")] = str(ports.KV_EVENTS)
+    replay_port: Annotated[str, option(
+        "each pod's replay ROUTER port, same forms; 'none': no replay (every gap then becomes "
+        "a resync marker)", metavar="PORT")] = str(ports.KV_EVENTS_REPLAY)
+    dp_ranks: Annotated[int, option(
+        "data-parallel ranks per pod: rank r publishes on both ports + r (as vLLM does), each "
+        "with its own sequence", ge=1, le=MAX_DP_RANKS)] = 1
+    shards: Annotated[int, option(
+        "replicas sharing the pods (rendezvous hashing on pool/pod)", ge=1)] = 1
+    shard: Annotated[int, option("this replica's number, 0-based; below --shards", ge=0)] = 0
+    replay_timeout_s: Annotated[float, option(
+        "seconds to wait for each frame of a replay before giving up", flag="--replay-timeout",
+        gt=0)] = StreamSettings().replay_timeout_s
+    max_message_bytes: Annotated[int, option(
+        "larger event messages are skipped (counted)", ge=64)] = Limits().max_message_bytes
+    record_max_age_s: Annotated[float, option(
+        "seconds of block changes the LIG_KVBLOCKS stream keeps; 0 disables recording",
+        flag="--record-max-age", ge=0)] = 3600.0
+    record_max_bytes: Annotated[int, option(
+        "bytes the LIG_KVBLOCKS stream keeps at most (oldest dropped)", ge=1)] = 1 << 30
+    host: Annotated[str, option("address the metrics endpoint listens on")] = "0.0.0.0"
+    metrics_port: Annotated[int, option(
+        "port of this service's Prometheus metrics; 0 disables", ge=0)] = ports.KV_EVENTS_METRICS
+    log_level: LogLevel = "INFO"
+
+    def __post_init__(self) -> None:
+        # The bounds of single fields are their annotations; this checks the rest.
+        if self.shard >= self.shards:
+            raise ValueError("--shard (env LIG_SHARD) must be below --shards (env LIG_SHARDS)")
+        _ = (self.events, self.replay)  # each raises ValueError naming its flag
+
+    @property
+    def events(self) -> PortSpec:
+        """``--events-port`` parsed."""
+        return parse_port(self.events_port, "--events-port (env LIG_EVENTS_PORT)")
+
+    @property
+    def replay(self) -> PortSpec | None:
+        """``--replay-port`` parsed; None for ``none``."""
+        if self.replay_port.strip().lower() == "none":
+            return None
+        return parse_port(self.replay_port, "--replay-port (env LIG_REPLAY_PORT)")
+
+    @property
+    def stream(self) -> StreamSettings:
+        """The bounds of each pod's stream."""
+        return StreamSettings(replay_timeout_s=self.replay_timeout_s)
+
+    @property
+    def limits(self) -> Limits:
+        """The bounds of one event message."""
+        return Limits(max_message_bytes=self.max_message_bytes)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``lig kv-events`` (one per :class:`KVEventsSettings` field)."""
+    add_flags(parser, KVEventsSettings)
+
+
+def settings_from(args: argparse.Namespace) -> KVEventsSettings:
+    """Validated settings: flags, else ``LIG_*`` variables, else defaults; ConfigError (a
+    ValueError) names the bad flag."""
+    settings: KVEventsSettings = from_args(KVEventsSettings, args)
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT."""
+    settings = settings_from(args)
+    setup_logging("kv-events", settings.log_level)
+    return run_service(lambda stop: KVEventsService(settings).run(stop))
+
+
+class KVEventsService:
+    """The pods' streams, started and stopped as the registry changes."""
+
+    def __init__(self, settings: KVEventsSettings) -> None:
+        self.settings = settings
+        self.subjects = Subjects(settings.nats.prefix)
+        self.metrics = KVEventsMetrics()
+        self.view = RegistryView()
+        self.decoder = KVEventDecoder(settings.limits,
+                                      lambda reason: self.metrics.skipped.labels(reason).inc())
+        self.streams: dict[str, tuple[PodEndpoints, asyncio.Task[None]]] = {}
+        self._ctx = zmq.asyncio.Context()
+        self._nc: Client | None = None
+        self._watcher: RegistryWatcher | None = None
+        self._stop = asyncio.Event()
+        self._recording: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve metrics, connect, work until ``stop`` is set, then leave cleanly."""
+        settings = self.settings
+        async with Lifespan() as life:
+            # Last out: closing the context ends the sockets of a stream that outlived its bound.
+            life.callback(lambda: self._ctx.destroy(linger=0))
+            life.metrics_server(settings.host, settings.metrics_port, self.metrics.prometheus)
+            # Drained on the way out: the last block changes go out.
+            nc = await life.enter(connection(
+                settings.nats, "lig-kv-events", stop, on_reconnect=self._reconnected,
+                drain=True, close_within=SHUTDOWN_TIMEOUT_S))
+            if nc is not None:
+                self._start(nc, stop, life)
+                await stop.wait()
+        log.info("kv-events stopped")
+        return 0
+
+    def _start(self, nc: Client, stop: asyncio.Event, life: Lifespan) -> None:
+        settings = self.settings
+        self._nc, self._stop = nc, stop
+        warn_about_replication(nc, settings.nats.replicas, "kv-events")
+        self._watcher = RegistryWatcher(
+            nc.jetstream(), self.subjects.registry_bucket, self.view, on_change=self.reconcile,
+            on_undecodable=lambda key, exc: self.metrics.skipped.labels("registry").inc())
+        life.on_close(self._stop_streams, within=SHUTDOWN_TIMEOUT_S)
+        life.callback(self._stop_recording)
+        self._start_recording(nc)
+        life.task(self._watcher.run(stop), finish=SHUTDOWN_TIMEOUT_S)
+        log.info("kv-events ready: events port %s, replay port %s, %d rank(s) per pod, "
+                 "shard %d of %d, metrics on %s, nats %s", settings.events,
+                 settings.replay or "none", settings.dp_ranks, settings.shard, settings.shards,
+                 f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else "off",
+                 settings.nats.url)
+
+    def reconcile(self) -> None:
+        """Subscribe to exactly the pods this shard owns now (a pod whose address or ports
+        changed gets a fresh stream)."""
+        settings = self.settings
+        wanted = pods_from_view(self.view, settings.events, settings.replay,
+                                settings.shard, settings.shards, settings.dp_ranks)
+        gone = [key for key, (pod, _) in self.streams.items() if wanted.get(key) != pod]
+        if gone:
+            self._background(self._stop_tasks([self.streams.pop(key)[1] for key in gone]))
+        for key, pod in wanted.items():
+            if key not in self.streams:
+                stream = PodStream(pod, self._ctx, self.decoder, self._publish, settings.stream,
+                                   self._count)
+                task = asyncio.create_task(self._run_stream(stream), name=f"kv-events {key}")
+                self.streams[key] = (pod, task)
+        self.metrics.pods.set(len(self.streams))
+
+    def _count(self, outcome: str, n: int) -> None:
+        self.metrics.batches.labels(outcome).inc(n)
+
+    async def _run_stream(self, stream: PodStream) -> None:
+        """One pod's stream; a bug in it is logged and the stream restarted, others go on."""
+        while True:
+            try:
+                await stream.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s/%s: event stream failed; restarting it", stream.pod.pool,
+                              stream.pod.pod)
+                await asyncio.sleep(1.0)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in a task kept until it ends (the loop only keeps weak references)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stop_tasks(self, tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
+
+    async def _publish(self, changes: KVBlockChanges) -> None:
+        nc = self._nc
+        if changes.resync:
+            self.metrics.resyncs.inc()
+        if nc is None or not nc.is_connected:
+            self.metrics.publish_errors.inc()
+            return
+        try:
+            await nc.publish(self.subjects.kv_blocks(changes.pool, changes.pod), encode(changes))
+        except Exception as exc:  # a failed publish is counted, never fatal
+            self.metrics.publish_errors.inc()
+            log.warning("cannot publish block changes of %s/%s: %s", changes.pool, changes.pod,
+                        exc)
+            return
+        self.metrics.published.inc()
+
+    def _start_recording(self, nc: Client) -> None:
+        settings = self.settings
+        if settings.record_max_age_s <= 0:
+            return
+        if self._recording is not None:
+            self._recording.cancel()
+        wanted = stream_config(self.subjects, settings.record_max_age_s,
+                               settings.record_max_bytes, settings.nats.replicas)
+        self._recording = asyncio.create_task(keep_stream(nc.jetstream(), wanted, self._stop))
+
+    def _stop_recording(self) -> None:
+        if self._recording is not None:
+            self._recording.cancel()
+
+    async def _stop_streams(self) -> None:
+        await self._stop_tasks([task for _, task in self.streams.values()])
+
+    async def _reconnected(self) -> None:
+        if self._watcher is not None:
+            self._watcher.resync()
+        # A restarted NATS server may have lost its store: make sure the stream exists.
+        if self._nc is not None:
+            self._start_recording(self._nc)

@@ -1,0 +1,25 @@
+"""The Prometheus metrics of ``lig kv-events``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class KVEventsMetrics:
+    """This service's counters, in their own Prometheus registry."""
+
+    def __init__(self) -> None:
+        self.prometheus = CollectorRegistry()
+        r = self.prometheus
+        self.batches = Counter("lig_kv_events_batches", "Event batches by outcome: apply, "
+                               "duplicate, gap, reset (seen on PUB), replayed, resync, malformed, "
+                               "replay_malformed", ["outcome"], registry=r)
+        self.skipped = Counter("lig_kv_events_skipped", "Malformed messages or events skipped, "
+                               "by reason", ["reason"], registry=r)
+        self.published = Counter("lig_kv_events_published", "Block-change messages published "
+                                 "(markers included)", registry=r)
+        self.resyncs = Counter("lig_kv_events_resyncs", "Resync markers published: events lost "
+                               "beyond what replay could recover", registry=r)
+        self.publish_errors = Counter("lig_kv_events_publish_errors", "Block-change messages "
+                                      "that NATS did not take", registry=r)
+        self.pods = Gauge("lig_kv_events_pods", "Pods subscribed to", registry=r)

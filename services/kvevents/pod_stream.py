@@ -1,0 +1,216 @@
+"""One pod's KV-cache events: subscribe, keep the sequence whole through replays, republish.
+
+Each pod has its own SUB socket and replay DEALER socket, in its own task, so a pod that floods,
+stalls or sends garbage costs only its own stream. On start (and after an engine restart) the
+stream asks the replay socket for everything from sequence 0, so what the pod cached before we
+subscribed is known too; when the replay cannot cover what was lost, it publishes a resync
+marker (all cleared, state unknown) and carries on from what it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from services.kvevents.sequencing import SequenceTracker, Verdict
+from shared.kv_blocks import KVBlockChanges
+from shared.kv_events import END_SEQ, AllBlocksCleared, EventBatch, KVEventDecoder
+
+log = logging.getLogger("lig.kv_events.pod")
+
+
+class PodEndpoints(msgspec.Struct, frozen=True):
+    """Where one pod publishes its events, and where its changes go."""
+
+    pool: str
+    pod: str
+    address: str  # ip:port the pod serves on
+    events: str  # tcp://ip:port of its PUB socket
+    replay: str | None  # tcp://ip:port of its replay ROUTER socket, None: no replay
+    dp_rank: int = 0
+    """The data-parallel rank behind these sockets (vLLM: rank r on the ports + r); each rank
+    has its own sequence and its own blocks."""
+
+
+class StreamSettings(msgspec.Struct, frozen=True):
+    """Timeouts and bounds of one pod's stream."""
+
+    replay_timeout_s: float = 2.0
+    """Longest wait for the next replay frame."""
+    max_replay_batches: int = 20_000
+    """vLLM keeps 10,000 by default (``buffer_steps``)."""
+    max_replay_bytes: int = 256 << 20
+    """Payload bytes one replay may hold in memory; a larger one is given up (resync)."""
+
+
+Publish = Callable[[KVBlockChanges], Awaitable[None]]
+
+
+class PodStream:
+    """The event stream of one pod; ``counts`` says what happened to its batches."""
+
+    def __init__(self, pod: PodEndpoints, ctx: zmq.asyncio.Context, decoder: KVEventDecoder,
+                 publish: Publish, settings: StreamSettings | None = None,
+                 on_count: Callable[[str, int], None] = lambda outcome, n: None) -> None:
+        self.pod = pod
+        self.settings = settings or StreamSettings()
+        self.tracker = SequenceTracker()
+        self.counts: Counter[str] = Counter()
+        self._ctx = ctx
+        self._decoder = decoder
+        self._publish = publish
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._on_count = on_count
+        self._adopt_next = False
+        """After a resync with nothing to continue from: the next batch starts the stream (no
+        replay can bring what came before it)."""
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.counts[outcome] += n
+        self._on_count(outcome, n)
+
+    async def run(self) -> None:
+        """Subscribe and republish until cancelled."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.subscribe(b"")
+        sub.connect(self.pod.events)
+        try:
+            await self._recover(None)
+            while True:
+                frames = await sub.recv_multipart()
+                batch = self._decoder.decode_message(frames)
+                if batch is None:
+                    self._count("malformed")
+                    self._skip_malformed(frames)
+                    continue
+                await self._handle(batch)
+        finally:
+            sub.close(linger=0)
+            self._close_dealer()
+
+    def _skip_malformed(self, frames: list[bytes]) -> None:
+        """A batch whose payload does not decode is lost, but its sequence number counts: a
+        replay would only bring the same bytes again."""
+        if len(frames) == 3 and len(frames[1]) == 8:
+            seq = int.from_bytes(frames[1], "big")
+            if seq == self.tracker.expected:
+                self.tracker.applied(seq)
+
+    async def _handle(self, batch: EventBatch) -> None:
+        if self._adopt_next:
+            self._adopt_next = False
+            self.tracker.skip_to(batch.seq)
+        verdict = self.tracker.classify(batch.seq, batch.ts)
+        self._count(verdict.value)
+        if verdict is Verdict.APPLY:
+            await self._apply(batch)
+        elif verdict is Verdict.GAP:
+            log.info("%s/%s rank %d: batches %d..%d missing, replaying", self.pod.pool,
+                     self.pod.pod, self.pod.dp_rank, self.tracker.expected, batch.seq - 1)
+            await self._recover(batch)
+        elif verdict is Verdict.RESET:
+            log.info("%s/%s: sequence restarted at %d (engine restart)", self.pod.pool,
+                     self.pod.pod, batch.seq)
+            await self._marker(resync=False)
+            self.tracker.restart()
+            if batch.seq == 0:
+                await self._apply(batch)
+            else:
+                await self._recover(batch)
+
+    async def _apply(self, batch: EventBatch) -> None:
+        self.tracker.applied(batch.seq, batch.ts)
+        if batch.events:
+            pod = self.pod
+            await self._publish(KVBlockChanges(
+                pod.pool, pod.pod, pod.address, batch.seq, batch.ts, list(batch.events),
+                pod.dp_rank))
+
+    async def _marker(self, resync: bool) -> None:
+        """Tell subscribers this rank's cache is empty (``resync``: and partly unknown)."""
+        pod = self.pod
+        await self._publish(KVBlockChanges(
+            pod.pool, pod.pod, pod.address, -1, time.time(), [AllBlocksCleared()], pod.dp_rank,
+            resync=resync))
+
+    async def _recover(self, current: EventBatch | None) -> None:
+        """Replay from the expected sequence; then apply ``current`` (the batch that showed the
+        gap) if the replay did not cover it. Lost batches that cannot be replayed publish a
+        resync marker."""
+        tracker = self.tracker
+        start = tracker.expected
+        tracker.replaying()
+        batches = await self._replay(start)
+        if batches is None or (batches and batches[0].seq != start) \
+                or (not batches and current is not None):
+            self._count("resync")
+            log.warning("%s/%s: batches from %d cannot be replayed: resync", self.pod.pool,
+                        self.pod.pod, start)
+            await self._marker(resync=True)
+            if batches:
+                tracker.skip_to(batches[0].seq)
+            elif current is not None:
+                tracker.skip_to(current.seq)
+            else:
+                self._adopt_next = True
+        else:
+            self._count("replayed", len(batches))
+        for batch in batches or ():
+            if batch.seq > tracker.expected:  # a batch in between did not decode: lost
+                tracker.skip_to(batch.seq)
+            if batch.seq == tracker.expected:
+                await self._apply(batch)
+        if current is not None and current.seq == tracker.expected:
+            await self._apply(current)
+
+    async def _replay(self, start: int) -> list[EventBatch] | None:
+        """The pod's buffered batches from ``start`` on, in order; None if it has no replay
+        socket or does not answer in time."""
+        if self.pod.replay is None:
+            return None
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.linger = 0
+            self._dealer.connect(self.pod.replay)
+        dealer = self._dealer
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        batches: list[EventBatch] = []
+        size = 0
+        try:
+            for _ in range(self.settings.max_replay_batches + 1):
+                frames = await asyncio.wait_for(dealer.recv_multipart(),
+                                                self.settings.replay_timeout_s)
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self._count("replay_malformed")
+                    continue
+                if frames[1] == END_SEQ:
+                    return batches
+                size += len(frames[2])
+                if size > self.settings.max_replay_bytes:
+                    log.warning("%s/%s: replay from %d exceeds %d bytes: giving up",
+                                self.pod.pool, self.pod.pod, start,
+                                self.settings.max_replay_bytes)
+                    break
+                batch = self._decoder.decode_payload(int.from_bytes(frames[1], "big"),
+                                                     frames[2])
+                if batch is not None:
+                    batches.append(batch)
+        except TimeoutError:
+            log.warning("%s/%s: replay from %d timed out after %d batches", self.pod.pool,
+                        self.pod.pod, start, len(batches))
+        # A replay that did not finish may still send: a fresh socket keeps it out of the next.
+        self._close_dealer()
+        return None
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None

@@ -1,0 +1,76 @@
+"""Which pods to subscribe to, and on which ports: from the registry view and the port flags.
+
+The events port is not in the registry: vLLM's is a server flag, usually the same for a whole
+fleet (5557), so ``--events-port`` gives it, either absolute (``5557``) or relative to the pod's
+serving port (``+1000``, ``-443``: for several pods on one host, as ``lig sim`` runs them).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.collector.ownership import owner
+from services.collector.targets import pod_key
+from services.kvevents.pod_stream import PodEndpoints
+from shared.registry_view import RegistryView
+
+
+class PortSpec(msgspec.Struct, frozen=True):
+    """A port, absolute or relative to the pod's serving port."""
+
+    value: int
+    relative: bool = False
+
+    def port_for(self, serving_port: int) -> int:
+        """The port on a pod serving on ``serving_port``."""
+        return serving_port + self.value if self.relative else self.value
+
+    def __str__(self) -> str:
+        """As the flag takes it: ``5557`` or ``+1000``."""
+        return f"{self.value:+d}" if self.relative else str(self.value)
+
+
+def parse_port(text: str, flag: str) -> PortSpec:
+    """``5557``, ``+N`` or ``-N``; ValueError names ``flag``."""
+    relative = text[:1] in "+-" and len(text) > 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a port, +N or -N") from None
+    if not relative and not 0 < value <= 65535:
+        raise ValueError(f"{flag}: port {value} out of range")
+    return PortSpec(value, relative)
+
+
+def _tcp(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"tcp://{host}:{port}"
+
+
+def pods_from_view(view: RegistryView, events: PortSpec, replay: PortSpec | None,
+                   shard: int = 0, shards: int = 1, dp_ranks: int = 1,
+                   ) -> dict[str, PodEndpoints]:
+    """Every data-parallel rank of every endpoint of every pool this shard owns (rendezvous
+    hashing of the pod over the shard numbers, as the collector shares pods; a pod's ranks stay
+    together), by pod key and rank; rank ``r`` uses the ports + ``r``, as vLLM does. Ranks whose
+    ports fall outside 1..65535 are left out."""
+    names = [str(number) for number in range(shards)]
+    pods: dict[str, PodEndpoints] = {}
+    for pool, endpoint_set in view.endpoints.items():
+        for endpoint in endpoint_set.endpoints:
+            key = pod_key(pool, endpoint.name)
+            if shards > 1 and owner(key, names) != str(shard):
+                continue
+            for rank in range(dp_ranks):
+                port = events.port_for(endpoint.port) + rank
+                replay_port = replay.port_for(endpoint.port) + rank \
+                    if replay is not None else None
+                if not 0 < port <= 65535 or (replay_port is not None
+                                             and not 0 < replay_port <= 65535):
+                    continue
+                pods[f"{key}#{rank}"] = PodEndpoints(
+                    pool=pool, pod=endpoint.name, address=endpoint.hostport,
+                    events=_tcp(endpoint.address, port),
+                    replay=None if replay_port is None else _tcp(endpoint.address, replay_port),
+                    dp_rank=rank)
+    return pods

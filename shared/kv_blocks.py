@@ -1,0 +1,51 @@
+"""The compact per-pod KV block-set changes ``lig kv-events`` publishes on NATS.
+
+One message per vLLM event batch applied, on ``<prefix>.kvblocks.<pool>.<pod>``: the batch's
+events in order, with every hash a uint64 (see :mod:`shared.kv_events`), encoded as tagged
+positional arrays. A message with ``resync`` set says the consumer lost events it could not
+replay: the subscriber must drop what it knows of the pod (``ops`` starts with
+``AllBlocksCleared``) and treat the pod's cache as partly unknown until it refills.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from shared.schemas import SCHEMA_VERSION
+
+Op = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVBlockChanges(msgspec.Struct, frozen=True):
+    """What changed in one pod's (one data-parallel rank's) prefix cache."""
+
+    pool: str
+    pod: str
+    address: str
+    """The pod's ``ip:port`` (what pickers route to)."""
+    source_seq: int
+    """vLLM's sequence number of the batch; -1 for a marker the consumer made itself."""
+    ts: float
+    ops: list[Op]
+    dp_rank: int = 0
+    resync: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+def encode(changes: KVBlockChanges) -> bytes:
+    """msgpack bytes of ``changes``."""
+    return msgspec.msgpack.encode(changes)
+
+
+_decoder = msgspec.msgpack.Decoder(KVBlockChanges)
+
+
+def decode(data: bytes) -> KVBlockChanges:
+    """``KVBlockChanges`` from msgpack; msgspec.ValidationError/DecodeError when malformed or of
+    another schema version."""
+    changes = _decoder.decode(data)
+    if changes.schema != SCHEMA_VERSION:
+        raise msgspec.ValidationError(f"KVBlockChanges schema {changes.schema}, "
+                                      f"expected {SCHEMA_VERSION}")
+    return changes

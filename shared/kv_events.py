@@ -1,0 +1,367 @@
+"""vLLM's KV-cache events on the wire: decode them defensively, and encode them (simulator).
+
+A ZMQ PUB message is ``[topic, seq (8 bytes, big-endian), payload (msgpack)]``; the payload is
+``[ts, events]`` or ``[ts, events, data_parallel_rank]``. Each event is either a positional array
+whose first element is its type (vLLM up to 0.23: ``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...]``) or a map tagged with
+``"type"`` (since vLLM PR #42892). Both are accepted in one stream; missing optional fields get
+defaults and unknown fields are ignored. See docs/kv-events.md for the sources.
+
+Block hashes arrive as uint64, int64 or bytes; :func:`normalise_hash` maps them all to one
+uint64 so that a ``BlockRemoved`` finds what its ``BlockStored`` filed, whatever encoding each
+used. Malformed input never raises out of :class:`KVEventDecoder`: it is counted by reason,
+logged (rate-limited) and skipped, a whole message or a single event at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from shared.logs import RateLimitedLog
+
+log = logging.getLogger("lig.kv_events")
+
+U64 = (1 << 64) - 1
+END_SEQ = b"\xff" * 8
+"""The replay socket's end marker: sequence -1 as a signed 8-byte big-endian integer."""
+
+Encoding = Literal["array", "map"]
+ENCODINGS: tuple[Encoding, ...] = ("array", "map")
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """Bounds on one message; anything beyond them is skipped, never buffered."""
+
+    max_message_bytes: int = 8 << 20
+    max_events: int = 10_000
+    """Events in one batch."""
+    max_hashes: int = 65_536
+    """Block hashes in one event."""
+    max_block_size: int = 4_096
+    """Token ids per block (a BlockStored carries at most ``len(block_hashes) x block_size``)."""
+
+
+class BlockStored(msgspec.Struct, array_like=True, tag="s", frozen=True):
+    """Blocks entered the prefix cache, in order; ``token_ids`` holds their tokens (may be empty
+    when the publisher did not send them)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, array_like=True, tag="r", frozen=True):
+    """Blocks left the cache."""
+
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, array_like=True, tag="c", frozen=True):
+    """The whole cache was emptied (a reset, or a restarted engine)."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, frozen=True):
+    """One decoded message: its sequence number, time, rank and the events that decoded."""
+
+    seq: int
+    ts: float
+    events: list[Event]
+    dp_rank: int | None = None
+    skipped_events: int = 0
+
+
+def normalise_hash(value: object) -> int | None:
+    """One uint64 for a block hash sent as uint64, int64 or bytes; None if it is none of them.
+
+    Bytes of at most 8 are read big-endian (what an int64 would have been); longer ones
+    (vLLM's sha256 hashes) are folded to 8 bytes with blake2b."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value & U64 if -(1 << 63) <= value <= U64 else None
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        if not raw:
+            return None
+        if len(raw) > 8:
+            raw = hashlib.blake2b(raw, digest_size=8).digest()
+        return int.from_bytes(raw, "big")
+    return None
+
+
+# Typed shapes of well-formed batches: msgspec checks them in C, which is most of the decoding
+# cost saved. Anything they reject goes through the tolerant path below, which decides.
+_Token = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+_Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+
+
+class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    block_size: int
+    parent_block_hash: int | bytes | None = None
+    token_ids: list[_Token] = []
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[_Token]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: _Rank | None = None
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: _Rank | None = None
+
+
+class _Malformed(ValueError):
+    """Why one event or message was skipped (the reason is the counter's label)."""
+
+
+# Positional field order of vLLM's array-encoded events (after the type tag).
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                  "medium", "lora_name")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+class KVEventDecoder:
+    """Decodes messages from one or more pods; ``skipped`` counts what was dropped, by reason."""
+
+    def __init__(self, limits: Limits | None = None,
+                 on_skip: Callable[[str], None] = lambda reason: None) -> None:
+        self.limits = limits or Limits()
+        self._on_skip = on_skip
+        self.skipped: Counter[str] = Counter()
+        self._payload = msgspec.msgpack.Decoder()
+        self._typed = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+        self._log = RateLimitedLog(log)
+
+    def decode_message(self, frames: list[bytes]) -> EventBatch | None:
+        """A PUB message ``[topic, seq, payload]``; None (counted, logged) if it is malformed."""
+        if len(frames) != 3:
+            self._skip("frames", f"{len(frames)} frames, expected 3")
+            return None
+        seq = frames[1]
+        if len(seq) != 8:
+            self._skip("seq", f"sequence of {len(seq)} bytes, expected 8")
+            return None
+        return self.decode_payload(int.from_bytes(seq, "big"), frames[2])
+
+    def decode_payload(self, seq: int, payload: bytes) -> EventBatch | None:
+        """The msgpack payload of message ``seq``; None (counted, logged) if it is malformed."""
+        if len(payload) > self.limits.max_message_bytes:
+            self._skip("size", f"seq {seq}: {len(payload)} bytes")
+            return None
+        fast = self._decode_typed(seq, payload)
+        return fast if fast is not None else self._decode_tolerant(seq, payload)
+
+    def _decode_tolerant(self, seq: int, payload: bytes) -> EventBatch | None:
+        """Field by field: keeps the events that decode, counts the others."""
+        try:
+            raw = self._payload.decode(payload)
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+            self._skip("msgpack", f"seq {seq}: {exc}")
+            return None
+        try:
+            return self._batch(seq, raw)
+        except _Malformed as exc:
+            self._skip(exc.args[0], f"seq {seq}: {exc.args[1]}")
+            return None
+
+    def _decode_typed(self, seq: int, payload: bytes) -> EventBatch | None:
+        """The batch if it is well-formed in one encoding, within the limits; else None (the
+        tolerant path then decides what to keep and what to count)."""
+        for decoder in self._typed:
+            try:
+                raw = decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError):
+                continue
+            limits = self.limits
+            if len(raw.events) > limits.max_events:
+                return None
+            events: list[Event] = []
+            for event in raw.events:
+                if isinstance(event, _MapRemoved | _ArrayRemoved):
+                    hashes = _typed_hashes(event.block_hashes, limits)
+                    if hashes is None:
+                        return None
+                    events.append(BlockRemoved(hashes, _optional_str(event.medium)))
+                elif isinstance(event, _MapCleared | _ArrayCleared):
+                    events.append(AllBlocksCleared())
+                else:
+                    hashes = _typed_hashes(event.block_hashes, limits)
+                    parent = event.parent_block_hash
+                    block_size = event.block_size
+                    if hashes is None or not 0 < block_size <= limits.max_block_size \
+                            or len(event.token_ids) > len(hashes) * block_size:
+                        return None
+                    if parent is not None:
+                        parent = normalise_hash(parent)
+                        if parent is None:
+                            return None
+                    events.append(BlockStored(hashes, parent, tuple(event.token_ids), block_size,
+                                              _optional_str(event.lora_name),
+                                              _optional_str(event.medium)))
+            return EventBatch(seq, raw.ts, events, raw.data_parallel_rank, 0)
+        return None
+
+    def _skip(self, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        self._on_skip(reason)
+        self._log.warning("skipping a malformed KV-event message (%s): %s", reason, detail)
+
+    def _batch(self, seq: int, raw: Any) -> EventBatch:
+        if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
+            raise _Malformed("batch", "payload is not [ts, events(, dp_rank)]")
+        ts, events = raw[0], raw[1]
+        if isinstance(ts, bool) or not isinstance(ts, int | float):
+            raise _Malformed("batch", "ts is not a number")
+        if not isinstance(events, list):
+            raise _Malformed("batch", "events is not an array")
+        if len(events) > self.limits.max_events:
+            raise _Malformed("events", f"{len(events)} events in one batch")
+        rank = raw[2] if len(raw) == 3 else None
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < 1 << 16):
+            raise _Malformed("batch", "data_parallel_rank is not a small integer")
+        decoded: list[Event] = []
+        skipped = 0
+        for raw_event in events:
+            try:
+                decoded.append(self._event(raw_event))
+            except _Malformed as exc:
+                skipped += 1
+                self._skip(exc.args[0], f"seq {seq}: {exc.args[1]}")
+        return EventBatch(seq, float(ts), decoded, rank, skipped)
+
+    def _event(self, raw: Any) -> Event:
+        if isinstance(raw, list) and raw and isinstance(raw[0], str):
+            kind = raw[0]
+            names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
+            fields = dict(zip(names, raw[1:], strict=False))
+        elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
+            kind, fields = raw["type"], raw
+        else:
+            raise _Malformed("event", "neither a tagged array nor a map with a 'type'")
+        if kind == "BlockStored":
+            return self._stored(fields)
+        if kind == "BlockRemoved":
+            return BlockRemoved(self._hashes(fields), _optional_str(fields.get("medium")))
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+        raise _Malformed("type", f"unknown event type {kind[:40]!r}")
+
+    def _stored(self, fields: dict[Any, Any]) -> BlockStored:
+        limits = self.limits
+        hashes = self._hashes(fields)
+        parent_raw = fields.get("parent_block_hash")
+        parent = None if parent_raw is None else normalise_hash(parent_raw)
+        if parent_raw is not None and parent is None:
+            raise _Malformed("hash", "parent_block_hash is not a hash")
+        block_size = fields.get("block_size")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) \
+                or not 0 < block_size <= limits.max_block_size:
+            raise _Malformed("block_size", f"block_size {str(block_size)[:20]}")
+        token_ids = fields.get("token_ids") or []
+        if not isinstance(token_ids, list) or len(token_ids) > len(hashes) * block_size:
+            raise _Malformed("token_ids", "token_ids is not an array of at most "
+                                          "len(block_hashes) x block_size")
+        if not all(type(token) is int and 0 <= token <= U64 for token in token_ids):
+            raise _Malformed("token_ids", "a token id is not an unsigned integer")
+        lora = fields.get("lora_name")
+        return BlockStored(hashes, parent, tuple(token_ids), block_size, _optional_str(lora),
+                           _optional_str(fields.get("medium")))
+
+    def _hashes(self, fields: dict[Any, Any]) -> tuple[int, ...]:
+        raw = fields.get("block_hashes")
+        if not isinstance(raw, list) or not raw:
+            raise _Malformed("hash", "block_hashes is not a non-empty array")
+        if len(raw) > self.limits.max_hashes:
+            raise _Malformed("hash", f"{len(raw)} block hashes in one event")
+        hashes = tuple(normalise_hash(value) for value in raw)
+        if None in hashes:
+            raise _Malformed("hash", "a block hash is not an integer or bytes")
+        return hashes  # type: ignore[return-value]
+
+
+def _typed_hashes(raw: list[int | bytes], limits: Limits) -> tuple[int, ...] | None:
+    """Normalised hashes of a typed event, or None if they break a rule."""
+    if not raw or len(raw) > limits.max_hashes:
+        return None
+    hashes = tuple(value & U64 if type(value) is int else normalise_hash(value) for value in raw)
+    return None if None in hashes else hashes  # type: ignore[return-value]
+
+
+def _optional_str(value: object) -> str | None:
+    return value[:256] if isinstance(value, str) else None
+
+
+def encode_event(event: Event, encoding: Encoding) -> list[Any] | dict[str, Any]:
+    """``event`` as vLLM encodes it: a positional array (``array``, vLLM <= 0.23) or a map
+    tagged with ``"type"`` (``map``)."""
+    if isinstance(event, BlockStored):
+        fields: dict[str, Any] = {
+            "block_hashes": list(event.block_hashes), "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
+            "medium": event.medium, "lora_name": event.lora_name}
+        kind = "BlockStored"
+    elif isinstance(event, BlockRemoved):
+        fields = {"block_hashes": list(event.block_hashes), "medium": event.medium}
+        kind = "BlockRemoved"
+    else:
+        fields, kind = {}, "AllBlocksCleared"
+    if encoding == "array":
+        return [kind, *fields.values()]
+    return {"type": kind, **fields}
+
+
+def encode_payload(ts: float, events: list[Event], encoding: Encoding,
+                   dp_rank: int | None = 0) -> bytes:
+    """The msgpack payload of one batch; ``dp_rank`` None leaves the rank out (older vLLM)."""
+    body: list[Any] = [ts, [encode_event(event, encoding) for event in events]]
+    if dp_rank is not None:
+        body.append(dp_rank)
+    return msgspec.msgpack.encode(body)

@@ -1,0 +1,112 @@
+"""JetStream streams that record what a service publishes with core NATS, within age and size
+limits.
+
+The services publish with core NATS; a stream captures the messages server-side, so recording
+adds nothing to their hot path. The collector records snapshots (``LIG_METRICS``),
+``lig kv-events`` block changes (``LIG_KVBLOCKS``): both keep such a stream, file-backed, the
+oldest messages dropped past ``max_age`` seconds (and ``max_bytes``, when given), in
+``replicas`` copies on a cluster (:mod:`shared.replication`). This module creates the stream,
+aligns an existing one with the flags, and retries until NATS lets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from shared.logs import RateLimitedLog
+from shared.replication import align_replicas
+
+log = logging.getLogger("lig.recording")
+
+
+def recording_config(name: str, subject: str, description: str, max_age_s: float,
+                     max_bytes: int | None = None, replicas: int = 1) -> StreamConfig:
+    """File-backed, ``replicas`` copies, oldest first out past ``max_age_s`` (or ``max_bytes``
+    when given; None leaves the size unbounded)."""
+    return StreamConfig(
+        name=name,
+        description=description,
+        subjects=[subject],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=max_age_s,
+        max_bytes=max_bytes,
+        num_replicas=replicas,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, wanted: StreamConfig) -> str:
+    """Create the stream, or align an existing one's subjects, limits and replicas; returns
+    what it did.
+
+    A replica count the cluster cannot place is logged and the stream keeps recording with its
+    old count: recording matters more than the setting.
+    """
+    name = wanted.name
+    if name is None:
+        raise ValueError("a recording stream needs a name")
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        await js.add_stream(wanted)
+        return "created"
+    current = info.config
+    action = "unchanged"
+    if _limits_differ(current, wanted):
+        current.subjects = wanted.subjects
+        current.max_age = wanted.max_age
+        if wanted.max_age and (current.duplicate_window or 0) > wanted.max_age:
+            # The server sets the window to min(2 min, max age) at creation and refuses a
+            # max age below it: shortening the recording would fail on every retry.
+            current.duplicate_window = wanted.max_age
+        if wanted.max_bytes is not None:
+            current.max_bytes = wanted.max_bytes
+        await js.update_stream(current)
+        action = "updated"
+    replicas = wanted.num_replicas or 1
+    try:
+        if await align_replicas(js, name, replicas):
+            action = f"updated to {replicas} replicas"
+    except APIError as exc:
+        log.error("stream %s: cannot change to %d replicas, keeping %d: %s", name, replicas,
+                  current.num_replicas or 1, exc)
+    return action
+
+
+def _limits_differ(current: StreamConfig, wanted: StreamConfig) -> bool:
+    return (set(current.subjects or ()) != set(wanted.subjects or ())
+            or current.max_age != wanted.max_age
+            or (wanted.max_bytes is not None and current.max_bytes != wanted.max_bytes))
+
+
+async def keep_stream(js: JetStreamContext, wanted: StreamConfig, stop: asyncio.Event,
+                      retry_s: float = 1.0) -> None:
+    """:func:`ensure_stream`, retried until it succeeds or ``stop`` is set (failures logged at
+    most every ten seconds).
+
+    Run again after every reconnect: a restarted server may have lost its store.
+    """
+    failures = RateLimitedLog(log)
+    replicas = wanted.num_replicas or 1
+    while not stop.is_set():
+        try:
+            action = await ensure_stream(js, wanted)
+        except (NatsError, TimeoutError) as exc:
+            failures.warning("cannot ensure stream %s (%d replicas) yet: %s; retrying",
+                             wanted.name, replicas, exc)
+        else:
+            size = f", max {wanted.max_bytes} bytes" if wanted.max_bytes is not None else ""
+            log.info("recording stream %s (%s; max age %g s%s, %d replicas): %s",
+                     wanted.name, wanted.description, wanted.max_age or 0, size, replicas,
+                     action)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), retry_s)

@@ -1,0 +1,408 @@
+"""KV-cache events end to end: ``lig sim`` publishing them, ``lig kv-events`` republishing block
+changes, a real nats-server; all ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from shared import kv_blocks
+from shared.kv_blocks import KVBlockChanges
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_payload
+from shared.schemas import InferencePool
+from shared.subjects import Subjects
+from simulator import tokenizer
+from tests.support.collector import pod, put_pool, registry_bucket
+from tests.support.ports import free_port
+from tests.support.simulator import REPO_ROOT, SimulatedPods, free_port_range
+from tests.support.waiting import eventually
+
+SUBJECTS = Subjects()
+PROMPT = "the quick brown fox jumps over the lazy dog " * 12
+
+
+class ChangeLog:
+    """Every block-change message on ``lig.kvblocks.>``, decoded, in arrival order."""
+
+    def __init__(self) -> None:
+        self.received: list[KVBlockChanges] = []
+
+    async def on_message(self, msg: Msg) -> None:
+        self.received.append(kv_blocks.decode(msg.data))
+
+    def of(self, pod_name: str) -> list[KVBlockChanges]:
+        return [c for c in self.received if c.pod == pod_name]
+
+    def stored(self, pod_name: str) -> list[BlockStored]:
+        return [op for c in self.of(pod_name) for op in c.ops if isinstance(op, BlockStored)]
+
+    def seqs(self, pod_name: str) -> list[int]:
+        return [c.source_seq for c in self.of(pod_name) if c.source_seq >= 0]
+
+
+@contextlib.asynccontextmanager
+async def change_log(nc: Client) -> AsyncIterator[ChangeLog]:
+    log = ChangeLog()
+    sub = await nc.subscribe(SUBJECTS.all_kv_blocks(), cb=log.on_message)
+    await nc.flush()
+    try:
+        yield log
+    finally:
+        await sub.unsubscribe()
+
+
+class EventPods(SimulatedPods):
+    """Simulated pods publishing KV-cache events: PUB on ``events_base + i``, replay on
+    ``replay_base + i``."""
+
+    def __init__(self, count: int, encoding: str, buffer_steps: int = 10_000) -> None:
+        base = free_port_range(2 * count)
+        self.events_base, self.replay_base = base, base + count
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{self.events_base}",
+                  "replay_endpoint": f"tcp://*:{self.replay_base}",
+                  "buffer_steps": buffer_steps, "topic": "kv"}
+        super().__init__(count, time_scale=50.0, extra_args=[
+            "--kv-events-config", msgspec.json.encode(config).decode(),
+            "--kv-events-encoding", encoding])
+
+    def complete(self, index: int, prompt: str = PROMPT, max_tokens: int = 20) -> None:
+        response = httpx.post(self.url(index) + "/v1/completions", timeout=10.0, json={
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens})
+        response.raise_for_status()
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop the process and start a new one on the same ports (a restarted vLLM)."""
+        self.stop()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "lig.cli", "sim", "--host", "127.0.0.1",
+             "--base-port", str(self.ports[0]), *self._args],
+            cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)},
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(self.url(0) + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self._process.poll() is None, self.output()
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.05)
+
+    def drop_next(self, index: int, count: int) -> dict[str, Any]:
+        response = httpx.post(self.url(index) + "/admin/kv-events", json={"drop": count},
+                              timeout=5.0)
+        response.raise_for_status()
+        return response.json()
+
+
+@contextlib.contextmanager
+def kv_events_process(nats_url: str, pods: EventPods | None, *flags: str,
+                      events_port: str | None = None, replay_port: str | None = None,
+                      ) -> Iterator[tuple[subprocess.Popen[bytes], int, Any]]:
+    """``lig kv-events`` as a subprocess, its ports relative to the simulated pods' ports."""
+    metrics_port = free_port()
+    if pods is not None:
+        events_port = f"{pods.events_base - pods.ports[0]:+d}"
+        replay_port = f"{pods.replay_base - pods.ports[0]:+d}"
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lig.cli", "kv-events", "--nats-url", nats_url,
+         "--events-port", str(events_port), "--replay-port", str(replay_port),
+         "--host", "127.0.0.1", "--metrics-port", str(metrics_port), "--replay-timeout", "1",
+         *flags],
+        cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)}, stdout=log,
+        stderr=subprocess.STDOUT)
+    try:
+        yield process, metrics_port, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def output(log: Any) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")
+
+
+def counter(metrics_port: int, name: str, label: str = "") -> float:
+    """One sample of the consumer's Prometheus page (0 if absent)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5.0).text
+    for line in text.splitlines():
+        if line.startswith(name + label + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def register(nc: Client, pods: list[tuple[str, int]]) -> None:
+    kv = await registry_bucket(nc)
+    await put_pool(kv, InferencePool(name="pool-a", target_port=pods[0][1]),
+                   [pod(name, port) for name, port in pods])
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+async def test_a_request_arrives_as_block_changes_of_its_pod(
+    nc: Client, nats_server: Any, encoding: str
+) -> None:
+    with EventPods(2, encoding) as pods:
+        await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods) as (process, _, log):
+                await asyncio.sleep(1.0)  # its subscription is up well before the request
+                await asyncio.to_thread(pods.complete, 1)
+                await eventually(lambda: changes.stored("pod-1"), within=15,
+                                 what=f"block changes of pod-1\n{output(log)}")
+                stored = changes.stored("pod-1")
+                # The prompt's own full blocks, with the simulator's token ids, in order.
+                ids = [token for op in stored for token in op.token_ids]
+                prompt_ids = list(tokenizer.encode(PROMPT))
+                full = len(prompt_ids) // 16 * 16
+                assert ids[:full] == prompt_ids[:full]
+                assert stored[0].parent_block_hash is None and stored[0].block_size == 16
+                first = changes.of("pod-1")[0]
+                assert first.address == pods.address(1) and first.pool == "pool-a"
+                assert changes.of("pod-0") == []
+                process.send_signal(signal.SIGTERM)
+                started = time.monotonic()
+                assert await asyncio.to_thread(process.wait, 10) == 0
+                assert time.monotonic() - started < 5
+
+
+async def test_batches_missed_before_subscribing_and_mid_stream_are_replayed(
+    nc: Client, nats_server: Any
+) -> None:
+    with EventPods(1, "map") as pods:
+        await register(nc, [("pod-0", pods.ports[0])])
+        # Published before anyone listens: the consumer's first replay brings it.
+        await asyncio.to_thread(pods.complete, 0, "hello world " * 30)
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+                await eventually(lambda: changes.seqs("pod-0"), within=15,
+                                 what=f"replayed changes\n{output(log)}")
+                # The PUB socket loses the next batches; the one after shows the gap.
+                before = pods.drop_next(0, 2)["seq"]
+                for index in range(4):
+                    await asyncio.to_thread(pods.complete, 0, f"prompt number {index} " * 20)
+                await eventually(lambda: len(changes.seqs("pod-0")) > before + 3, within=15,
+                                 what=f"changes after the gap\n{output(log)}")
+                seqs = changes.seqs("pod-0")
+                assert seqs == list(range(len(seqs))), seqs
+                assert not any(c.resync for c in changes.of("pod-0"))
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="gap"}') >= 1
+                assert counter(metrics_port, "lig_kv_events_resyncs_total") == 0
+
+
+async def test_a_gap_replay_cannot_cover_publishes_a_resync_marker(
+    nc: Client, nats_server: Any
+) -> None:
+    with EventPods(1, "array", buffer_steps=1) as pods:
+        await register(nc, [("pod-0", pods.ports[0])])
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(pods.complete, 0, "alpha beta " * 30)
+                await eventually(lambda: changes.seqs("pod-0"), within=15,
+                                 what=f"first changes\n{output(log)}")
+                pods.drop_next(0, 3)
+                for index in range(5):
+                    await asyncio.to_thread(pods.complete, 0, f"lost text {index} " * 20)
+                await eventually(lambda: any(c.resync for c in changes.of("pod-0")), within=15,
+                                 what=f"a resync marker\n{output(log)}")
+                marker = next(c for c in changes.of("pod-0") if c.resync)
+                assert marker.ops == [AllBlocksCleared()] and marker.source_seq == -1
+                assert counter(metrics_port, "lig_kv_events_resyncs_total") >= 1
+
+
+async def test_a_malformed_flood_is_counted_and_skipped(nc: Client, nats_server: Any) -> None:
+    """A pod (here a bare ZMQ PUB socket) sends garbage between good batches: the garbage is
+    counted, the good batches still arrive, and the consumer keeps running."""
+    port = free_port()
+    await register(nc, [("pod-x", port)])
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.linger = 0
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    flood = 2_000
+    try:
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, None, events_port=str(port),
+                                   replay_port="none") as (process, metrics_port, log):
+                await eventually(lambda: any(c.resync for c in changes.of("pod-x")), within=15,
+                                 what=f"the start marker (no replay: state unknown)\n{output(log)}")
+                await asyncio.sleep(1.0)  # the marker comes right after connect(): let it finish
+                good = encode_payload(1.0, [BlockRemoved((7,), "GPU")], "map")
+                pub.send_multipart([b"kv", (0).to_bytes(8, "big"), good])
+                deadline = time.monotonic() + 20
+                for index in range(flood):
+                    garbage = [b"kv", (index + 1).to_bytes(8, "big"), b"\xc1" + bytes(index % 50)]
+                    pub.send_multipart(garbage if index % 3 else [b"only one frame"])
+                    if index % 200 == 0:
+                        await asyncio.sleep(0.01)
+                    assert time.monotonic() < deadline
+                pub.send_multipart([b"kv", (flood + 1).to_bytes(8, "big"), good])
+                await eventually(lambda: len(changes.seqs("pod-x")) == 2, within=20,
+                                 what=f"both good batches\n{output(log)}")
+                skipped = counter(metrics_port, "lig_kv_events_skipped_total",
+                                  '{reason="msgpack"}') + counter(
+                    metrics_port, "lig_kv_events_skipped_total", '{reason="frames"}')
+                assert skipped == flood
+                assert process.poll() is None
+                assert changes.seqs("pod-x") == [0, flood + 1]
+    finally:
+        pub.close()
+        ctx.term()
+
+
+async def test_a_restarted_engine_clears_the_pod_and_its_new_stream_is_followed(
+    nc: Client, nats_server: Any
+) -> None:
+    with EventPods(1, "map") as pods:
+        await register(nc, [("pod-0", pods.ports[0])])
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+                await asyncio.sleep(1.0)
+                for index in range(3):
+                    await asyncio.to_thread(pods.complete, 0, f"before restart {index} " * 20)
+                await eventually(lambda: len(changes.seqs("pod-0")) >= 3, within=15,
+                                 what=f"changes before the restart\n{output(log)}")
+                before = len(changes.of("pod-0"))
+                await asyncio.to_thread(pods.restart)
+                await asyncio.to_thread(pods.complete, 0, "after the restart " * 20)
+
+                def cleared_then_stored() -> bool:
+                    after = changes.of("pod-0")[before:]
+                    return any(c.ops == [AllBlocksCleared()] for c in after) and any(
+                        c.source_seq == 0 for c in after)
+
+                await eventually(cleared_then_stored, within=20,
+                                 what=f"a clear and the new engine's batches\n{output(log)}")
+                after = changes.of("pod-0")[before:]
+                marker = next(i for i, c in enumerate(after) if c.ops == [AllBlocksCleared()])
+                first_new = next(i for i, c in enumerate(after) if c.source_seq == 0)
+                assert marker < first_new and not after[marker].resync
+                stored = [op for c in after[first_new:] for op in c.ops
+                          if isinstance(op, BlockStored)]
+                assert list(tokenizer.encode("after the restart " * 20))[:16] == list(
+                    stored[0].token_ids[:16])
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="reset"}') == 1
+
+
+async def test_a_pod_whose_replay_fails_is_resynced_once_and_followed_from_its_next_batch(
+    nc: Client, nats_server: Any
+) -> None:
+    """No replay answers (nothing listens on the replay port): the start is one resync marker,
+    and the first batch heard starts the stream; it must not look like a gap to replay again."""
+    port, dead_replay_port = free_port(), free_port()
+    await register(nc, [("pod-y", port)])
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.linger = 0
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, None, events_port=str(port),
+                                   replay_port=str(dead_replay_port)) as (_, metrics_port, log):
+                await eventually(lambda: any(c.resync for c in changes.of("pod-y")), within=15,
+                                 what=f"the start marker\n{output(log)}")
+                await asyncio.sleep(1.0)
+                good = encode_payload(1.0, [BlockRemoved((7,), "GPU")], "array")
+                for seq in (5, 6):
+                    pub.send_multipart([b"kv", seq.to_bytes(8, "big"), good])
+                await eventually(lambda: changes.seqs("pod-y") == [5, 6], within=15,
+                                 what=f"both batches\n{output(log)}")
+                assert sum(c.resync for c in changes.of("pod-y")) == 1
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="gap"}') == 0
+    finally:
+        pub.close()
+        ctx.term()
+
+
+def test_the_simulators_replay_socket_answers_vllms_protocol_and_ignores_garbage() -> None:
+    with EventPods(1, "array") as pods:
+        pods.complete(0, "one two three " * 20)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.rcvtimeo = 5000
+        dealer.connect(f"tcp://127.0.0.1:{pods.replay_base}")
+        try:
+            dealer.send_multipart([b"", b"short"])  # not 8 bytes: ignored
+            dealer.send_multipart([b"garbage"])  # not [empty, seq]: ignored
+            dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+            replies = []
+            while True:
+                frames = dealer.recv_multipart()
+                replies.append(frames)
+                if frames[1] == b"\xff" * 8:
+                    break
+                assert len(replies) < 1000
+            assert replies[-1] == [b"", b"\xff" * 8, b""]
+            seqs = [int.from_bytes(frames[1], "big") for frames in replies[:-1]]
+            assert seqs and seqs == list(range(1, len(seqs) + 1))
+            assert all(frames[0] == b"" and frames[2] for frames in replies[:-1])
+        finally:
+            dealer.close()
+            ctx.term()
+        assert "Traceback" not in pods.output()
+
+
+async def test_data_parallel_ranks_are_followed_on_their_own_ports(
+    nc: Client, nats_server: Any
+) -> None:
+    """A pod with two data-parallel ranks (vLLM: rank r on the port + r), each numbering its
+    batches from 0: both streams arrive, told apart by ``dp_rank``."""
+    base = free_port_range(2)
+    await register(nc, [("pod-dp", 9000)])
+    ctx = zmq.Context()
+    pubs = []
+    for rank in range(2):
+        pub = ctx.socket(zmq.PUB)
+        pub.linger = 0
+        pub.bind(f"tcp://127.0.0.1:{base + rank}")
+        pubs.append(pub)
+    try:
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, None, "--dp-ranks", "2",
+                                   events_port=f"{base - 9000:+d}",
+                                   replay_port="none") as (_, _, log):
+                await eventually(lambda: {c.dp_rank for c in changes.of("pod-dp")} == {0, 1},
+                                 within=15, what=f"both ranks' start markers\n{output(log)}")
+                await asyncio.sleep(1.0)
+                for rank, pub in enumerate(pubs):
+                    for seq in range(2):
+                        stored = BlockStored((100 * rank + seq,), None, (), 16, None, "GPU")
+                        pub.send_multipart([b"kv", seq.to_bytes(8, "big"),
+                                            encode_payload(1.0 + seq, [stored], "map", rank)])
+                await eventually(lambda: len(changes.seqs("pod-dp")) == 4, within=15,
+                                 what=f"both ranks' batches\n{output(log)}")
+                by_rank = {rank: [op.block_hashes for c in changes.of("pod-dp")
+                                  if c.dp_rank == rank and c.source_seq >= 0 for op in c.ops]
+                           for rank in range(2)}
+                assert by_rank == {0: [(0,), (1,)], 1: [(100,), (101,)]}
+                assert not any(c.ops == [AllBlocksCleared()] and not c.resync
+                               for c in changes.of("pod-dp"))  # no rank looked restarted
+    finally:
+        for pub in pubs:
+            pub.close()
+        ctx.term()
