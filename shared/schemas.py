@@ -125,6 +125,61 @@ class CollectorHeartbeat(msgspec.Struct, frozen=True):
     schema: int = SCHEMA_VERSION
 
 
+class RoutedEvent(msgspec.Struct, frozen=True, tag="r", array_like=True):
+    """A picker sent request ``request_id`` (unique per picker and pool) to ``pod``.
+
+    ``prompt_tokens`` is the picker's estimate of the prompt's size, ``max_tokens`` the
+    request's limit (0: unknown or unset); ``prefix_hashes`` are the chained hashes of the
+    prompt's blocks (empty when the picker does not hash prompts).
+    """
+
+    request_id: int
+    pod: str
+    target_model: str
+    criticality: Criticality
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    prefix_hashes: tuple[int, ...] = ()
+
+
+class FinishedEvent(msgspec.Struct, frozen=True, tag="f", array_like=True):
+    """Request ``request_id`` sent to ``pod`` has ended (response done or stream closed);
+    the token counts come from the response's usage when the picker saw it (None: unknown)."""
+
+    request_id: int
+    pod: str
+    prompt_tokens: int = 0
+    completion_tokens: int | None = None
+
+
+class ShedEvent(msgspec.Struct, frozen=True, tag="s", array_like=True):
+    """Request ``request_id`` was shed (429) because every pod was saturated."""
+
+    request_id: int
+    target_model: str
+    criticality: Criticality
+
+
+DecisionEvent = RoutedEvent | FinishedEvent | ShedEvent
+
+
+class DecisionBatch(msgspec.Struct, frozen=True):
+    """The decisions one picker made for one pool within a few milliseconds, published on
+    ``<prefix>.decisions.<pool>`` (docs/decision-stream.md).
+
+    An empty ``events`` list is a heartbeat: the picker is alive and its earlier events still
+    hold. ``heartbeat_s`` is how often it sends one when it has nothing else to say, so that its
+    peers know when its silence means it is gone.
+    """
+
+    picker: str
+    pool: str
+    sent_at_ns: int
+    events: list[DecisionEvent]
+    heartbeat_s: float = 0.5
+    schema: int = SCHEMA_VERSION
+
+
 class DecodeError(ValueError):
     """A NATS payload could not be decoded into the expected message type."""
 

@@ -109,6 +109,14 @@ class Subjects(Struct, frozen=True):
         """Wildcard over every collector's heartbeats."""
         return f"{self.prefix}.collectors.*"
 
+    def decisions(self, pool: str) -> str:
+        """Where the pickers publish the decisions they made for ``pool``."""
+        return f"{self.prefix}.decisions.{escape_token(pool)}"
+
+    def all_decisions(self) -> str:
+        """Wildcard over every pool's decisions (what a picker serving every pool follows)."""
+        return f"{self.prefix}.decisions.*"
+
     def parse_metrics(self, subject: str) -> tuple[str, str]:
         """``(pool, pod)`` from a metrics subject; ValueError if it is not one."""
         parts = subject.split(".")

@@ -259,6 +259,25 @@ def test_status_shows_every_pod_fresh_and_requests_on_both_pickers(stack: Runnin
     assert all(p["requests"].get("routed", 0) > 0 for p in report["pickers"]), report["pickers"]
 
 
+def test_pickers_share_decisions_by_default(stack: RunningStack) -> None:
+    def shared(page: str) -> tuple[float, float]:
+        values = {sample.name: sample.value for family in text_string_to_metric_families(page)
+                  for sample in family.samples}
+        return (values.get("lig_picker_decision_peers", 0.0),
+                values.get("lig_picker_decision_events_applied_total", 0.0))
+
+    with httpx.Client(timeout=30) as client:
+        deadline = time.monotonic() + 15
+        while True:  # Envoy spreads requests over both pickers; each hears the other's
+            for i in range(10):
+                assert client.post(f"{stack.gateway}/v1/completions",
+                                   json=completion(BASE, i)).status_code == 200
+            seen = [shared(client.get(url).text) for url in stack.info.picker_metrics]
+            if all(peers == 1 and applied > 0 for peers, applied in seen):
+                break
+            assert time.monotonic() < deadline, seen
+
+
 def test_sigterm_stops_every_child_and_frees_every_port(stack: RunningStack) -> None:
     info = stack.info
     pids = stack.child_pids()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import socket
 import sys
 from collections.abc import Callable
@@ -23,6 +25,11 @@ from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
 from services.picker import core
+from services.picker.decision_stream import (
+    DecisionPublisher,
+    DecisionSink,
+    subscribe_decisions,
+)
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
@@ -66,13 +73,29 @@ def stop_timeout(settings: PickerSettings) -> float:
     return settings.drain_delay + SHUTDOWN_GRACE + STOP_MARGIN
 
 
-def build_gateway(settings: PickerSettings, metrics: PickerMetrics) -> Gateway:
+def build_gateway(settings: PickerSettings, metrics: PickerMetrics,
+                  decisions: DecisionPublisher | None = None) -> Gateway:
     """The decision core over the served pools (:mod:`services.picker.core`, also what
-    ``lig bench`` runs), reporting to the picker's metrics."""
+    ``lig bench`` runs), reporting to the picker's metrics; ``decisions`` publishes its
+    decisions (None: not shared)."""
     return core.build_gateway(settings, hooks=core.CoreHooks(
         on_gray_exclusion=lambda pod, reason: metrics.gray_exclusions.labels(pod, reason).inc(),
         on_all_stale=metrics.all_stale.inc,
-        on_conflicts=metrics.model_conflicts.set))
+        on_conflicts=metrics.model_conflicts.set),
+        on_decision=decisions, picker_id=decisions.picker_id if decisions is not None else "")
+
+
+def decision_publisher(settings: PickerSettings, subjects: Subjects,
+                       metrics: PickerMetrics) -> DecisionPublisher | None:
+    """The decision stream's publisher under a fresh picker id (None with
+    ``--no-shared-decisions``): a restarted picker is a new peer, its old counts expire."""
+    if not settings.shared_decisions:
+        return None
+    picker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    dropped = metrics.decisions_dropped
+    return DecisionPublisher(picker_id, subjects, delay=settings.decision_batch_delay,
+                             on_published=metrics.decisions_published.inc,
+                             on_dropped=lambda reason, count: dropped.labels(reason).inc(count))
 
 
 def grpc_server(reuse_port: bool) -> grpc.aio.Server:
@@ -195,7 +218,11 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
     :class:`PortInUse` when a port cannot be bound (nothing stays open then).
     """
     metrics = PickerMetrics(registry)
-    gateway = build_gateway(settings, metrics)
+    subjects = Subjects(settings.nats.prefix)
+    decisions = decision_publisher(settings, subjects, metrics)
+    gateway = build_gateway(settings, metrics, decisions)
+    metrics.load_estimate.tables = lambda: {
+        pool: router.pods for pool, router in gateway.routers.items()}
     processor = Processor(gateway, metrics, settings.destination_header)
     tls = settings.tls
     host = settings.host
@@ -213,8 +240,7 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         # an "Event loop is closed" traceback on exit.
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
-        nats = _NatsLink(settings.nats, Subjects(settings.nats.prefix), RegistryView(), gateway,
-                         metrics)
+        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions)
         tasks = (asyncio.create_task(nats.run(stop)),
                  asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
         # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
@@ -228,7 +254,7 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         life.on_close(lambda: health.stop(0), within=1.0)
         if on_started is not None:
             on_started()
-        _log_started(settings, ext_proc.port, health_port, metrics_port)
+        _log_started(settings, ext_proc.port, health_port, metrics_port, decisions)
         lost = await _until_stopped_or_lost(stop, ext_proc)
         if lost is not None:
             # The ext_proc port no longer answers: report it at once and exit, so that Envoy,
@@ -243,17 +269,18 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
 
 
 def _log_started(settings: PickerSettings, grpc_port: int, health_port: int,
-                 metrics_port: int | None) -> None:
+                 metrics_port: int | None, decisions: DecisionPublisher | None) -> None:
     tls = settings.tls
     host = settings.host
     log.info("picker for %s: ext_proc (%s server, %s) on %s:%d, health on %s:%d, metrics "
-             "on %s, NATS %s, load estimate %s",
+             "on %s, NATS %s, load estimate %s, shared decisions %s",
              "pools " + ", ".join(settings.pools) if settings.pools else "every pool",
              settings.server,
              "plaintext" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
              host, grpc_port, host, health_port,
              f"{host}:{metrics_port}" if metrics_port else "(off)", settings.nats.url,
-             "on" if settings.load_estimate else "off")
+             "on" if settings.load_estimate else "off",
+             f"on (picker id {decisions.picker_id})" if decisions is not None else "off")
     log.info("pools served: %s; unknown models: %s",
              ", ".join(settings.pools) or "every pool of the registry",
              "rejected (404)" if settings.reject_unknown_models else
@@ -278,7 +305,8 @@ class _NatsLink:
     """The NATS side: connect (forever), watch the registry, subscribe to snapshots."""
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
-                 gateway: Gateway, metrics: PickerMetrics) -> None:
+                 gateway: Gateway, metrics: PickerMetrics,
+                 decisions: DecisionPublisher | None = None) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -292,6 +320,9 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
+        self.decisions = decisions
+        self.decision_sink = DecisionSink(
+            gateway.apply_peer, on_undecodable=metrics.undecodable.labels("decisions").inc)
 
     @property
     def connected(self) -> bool:
@@ -321,13 +352,22 @@ class _NatsLink:
                 client.jetstream(), self._subjects.registry_bucket, self._view,
                 on_changes=lambda changes: self._gateway.update(self._view, changes),
                 on_undecodable=lambda key, exc: undecodable.inc())
-            await subscribe(client, self._subjects, self.sink,
-                            [] if self._gateway.all_pools else list(self._gateway.routers))
-            await self.watcher.run(stop)
+            pools = [] if self._gateway.all_pools else list(self._gateway.routers)
+            await subscribe(client, self._subjects, self.sink, pools)
+            publishing = None
+            if self.decisions is not None:
+                await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
+                publishing = asyncio.create_task(self.decisions.run(client))
+            try:
+                await self.watcher.run(stop)
+            finally:
+                if publishing is not None:
+                    await cancel_and_wait(publishing)
 
 
 async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
                         health: PickerHealth, metrics: PickerMetrics) -> None:
+    reported = {"applied": 0, "expired": 0}
     while not stop.is_set():
         if not health.ready and nats.synced and gateway.has_member_snapshot():
             await health.set_ready()
@@ -335,5 +375,21 @@ async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
             log.info("picker ready: registry synced and metric snapshots arriving")
         metrics.nats_connected.set(1 if nats.connected else 0)
         metrics.show_pods(gateway.freshness(), gateway.in_flight())
+        _sync_peer_metrics(gateway, metrics, reported)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), HOUSEKEEPING_INTERVAL)
+
+
+def _sync_peer_metrics(gateway: Gateway, metrics: PickerMetrics,
+                       reported: dict[str, int]) -> None:
+    """Expire what silent peers contributed, and add to the decision-stream counters what
+    :class:`~services.picker.peer_decisions.PeerDecisions` counted since ``reported`` (its
+    hot path touches no Prometheus object)."""
+    peers = gateway.peers
+    peers.expire()
+    for name, counter, total in (("applied", metrics.decisions_applied, peers.applied),
+                                 ("expired", metrics.decisions_expired, peers.expired)):
+        if total > reported[name]:
+            counter.inc(total - reported[name])
+            reported[name] = total
+    metrics.decision_peers.set(peers.peers())

@@ -18,13 +18,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
 from services.picker.gray_pods import GrayPods
 from services.picker.pools import Gateway, UnknownModels
-from services.picker.routing import Router
+from services.picker.routing import DecisionCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
 
@@ -39,7 +38,7 @@ class CoreHooks(msgspec.Struct, frozen=True):
 
 def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic, hooks: CoreHooks | None = None,
-                  on_decision: Callable[[str, Any], None] | None = None,
+                  on_decision: DecisionCallback | None = None,
                   picker_id: str = "") -> Gateway:
     """The decision core over ``settings.pools`` (empty: every pool of the registry), with the
     settings' staleness, load estimate, gray-pod, fallback and unknown-model behaviour.
@@ -48,8 +47,8 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
     ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench).
     ``on_decision(pool, event)`` receives the core's own routed/finished/shed events for the
     decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
-    twice); both are passed on only when ``on_decision`` is given, and need a ``Gateway`` that
-    publishes its decisions.
+    twice); peers' events are applied with ``Gateway.apply_peer`` and expire on ``clock``
+    (``Gateway.expire_peers``, after ``settings.decision_request_ttl`` for a lone request).
     """
     hooks = hooks if hooks is not None else CoreHooks()
     rng = rng if rng is not None else random.Random(settings.seed)
@@ -62,13 +61,12 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                       fallbacks=settings.fallbacks,
                       prefix_entries=settings.prefix_index_entries)
 
-    extra: dict[str, Any] = {}
-    if on_decision is not None:
-        extra = {"on_decision": on_decision, "picker_id": picker_id}
     unknown = UnknownModels(reject=settings.reject_unknown_models,
                             default_pool=settings.default_pool)
-    return Gateway(settings.pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts,
-                   **extra)
+    gateway = Gateway(settings.pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts,
+                      on_decision=on_decision, picker_id=picker_id, clock=clock)
+    gateway.peers.request_ttl = settings.decision_request_ttl
+    return gateway
 
 
 def shares_decisions() -> bool:

@@ -177,7 +177,7 @@ class Processor:
                                  "member of the pool; it stays accounted to %s", served,
                                  routed.pod)
             return routed
-        pods.served_elsewhere(routed.pod, member.name, routed.prompt_tokens)
+        self.gateway.served_elsewhere(routed, member.name)
         self.metrics.count_served_elsewhere()
         return msgspec.structs.replace(routed, pod=member.name, endpoint=served)
 
@@ -267,9 +267,12 @@ class Exchange:
     def close(self) -> None:
         """The stream ended: the request is no longer in flight; count its token usage."""
         routed = self.routed
-        if routed is not None:
-            self._p.gateway.finished(routed)
         usage = self._rewriter.usage if self._rewriter is not None else None
+        if routed is not None:
+            if usage is not None:
+                self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens)
+            else:
+                self._p.gateway.finished(routed)
         if usage is not None:
             if routed is not None:
                 self._p.metrics.count_tokens(routed.model, routed.registered, usage)

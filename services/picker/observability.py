@@ -9,11 +9,14 @@ serves the sum (counters) or the live maximum (gauges that every worker sees ali
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.picker.responses import Usage
-from services.picker.state import Freshness
+from services.picker.state import Freshness, PodTable
 
 # A decision usually takes tens of microseconds; the tail matters up to Envoy's message timeout.
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -84,6 +87,25 @@ class PickerMetrics:
         self.ready = Gauge(
             "lig_picker_ready", "1 once registry state and a metric snapshot have arrived",
             registry=prometheus, multiprocess_mode="livemin")
+        self.decisions_published = Counter(
+            "lig_picker_decision_events_published", "Decisions (routed, finished, shed) this "
+            "picker published on the decision stream", registry=prometheus)
+        self.decisions_dropped = Counter(
+            "lig_picker_decision_events_dropped", "Decisions not published, by reason "
+            "(queue_full: more pending than the queue holds; nats_away: NATS disconnected)",
+            ["reason"], registry=prometheus)
+        self.decisions_applied = Counter(
+            "lig_picker_decision_events_applied", "Peer pickers' decisions applied to the load "
+            "estimate (this picker's own, echoed back, are not counted)", registry=prometheus)
+        self.decisions_expired = Counter(
+            "lig_picker_decision_requests_expired", "Peers' requests dropped from the in-flight "
+            "counts without a finished event (peer silent, or request past its TTL)",
+            registry=prometheus)
+        self.decision_peers = Gauge(
+            "lig_picker_decision_peers", "Peer pickers heard from on the decision stream "
+            "within their heartbeat allowance", registry=prometheus, multiprocess_mode="livemax")
+        self.load_estimate = LoadEstimateCollector()
+        prometheus.register(self.load_estimate)
         self._request_children: dict[tuple[str, str, str, str], Counter] = {}
         self._token_children: dict[str, tuple[Counter, Counter]] = {}
         self._pods_seen: set[str] = set()
@@ -133,3 +155,29 @@ class PickerMetrics:
             self.snapshot_age.remove(gone)
             self.in_flight.remove(gone)
         self._pods_seen = set(ages)
+
+
+class LoadEstimateCollector(Collector):
+    """``lig_picker_load_estimate_requests{pool,pod,kind}``, read from the pod tables when
+    scraped (so it is current to the millisecond, unlike the housekeeping gauges): per pod, the
+    requests in flight from this picker (``in_flight_own``) and from its peers
+    (``in_flight_peers``), and those routed since the pod's newest snapshot by any of them
+    (``unreported``). ``tables`` gives the pod table of each served pool (set once the gateway
+    exists). Served by a single-process picker (``--workers 1``)."""
+
+    def __init__(self) -> None:
+        self.tables: Callable[[], dict[str, PodTable]] = dict
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One sample per pool, pod and kind with a count (zeros are left out)."""
+        family = GaugeMetricFamily(
+            "lig_picker_load_estimate_requests", "The picker's load estimate per pod: "
+            "requests in flight (own, peers') and routed since the pod's newest snapshot "
+            "(unreported)", labels=["pool", "pod", "kind"])
+        for pool, table in list(self.tables().items()):
+            for kind, counts in (("in_flight_own", table.in_flight()),
+                                 ("in_flight_peers", table.peer_in_flight()),
+                                 ("unreported", table.unreported())):
+                for pod, count in counts.items():
+                    family.add_metric([pool, pod, kind], count)
+        yield family

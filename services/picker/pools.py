@@ -15,6 +15,10 @@ Each served pool keeps its own :class:`~services.picker.routing.Router` (policy,
   from the registry in the OpenAI list shape; others go to a pod of the default pool (or of the
   first pool, by name, that has a pod).
 
+- **The decision stream**: ``on_decision(pool, event)`` hears of every request routed, finished
+  or shed (the publisher of ``services/picker/decision_stream.py``); :meth:`Gateway.apply_peer`
+  counts a peer picker's decisions in the pools' tables (``services/picker/peer_decisions.py``).
+
 A picker given no pool serves every pool of the registry (pools appear as the registry publishes
 them, and are dropped once the registry has nothing left of them).
 """
@@ -23,13 +27,16 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
+from services.picker.peer_decisions import PeerDecisions
 from services.picker.routing import (
     Answered,
+    DecisionCallback,
     Rejected,
     Routed,
     Router,
@@ -38,6 +45,7 @@ from services.picker.routing import (
 )
 from services.picker.state import Freshness, PodTable
 from shared.registry_view import RegistryChanges, RegistryView
+from shared.schemas import DecisionBatch, FinishedEvent, RoutedEvent
 
 log = logging.getLogger("lig.picker.pools")
 
@@ -80,13 +88,20 @@ class Gateway:
 
     ``pools`` are the pools served (empty: every pool of the registry); ``make_router(pool)``
     builds a pool's router and pod table; ``on_conflicts(count)`` gets the number of model names
-    in conflict after every registry update that changed it.
+    in conflict after every registry update that changed it. ``on_decision`` (None: nobody
+    listens) hears of each request routed, finished or shed; ``picker_id`` names this picker in
+    the decision stream, so that its own batches coming back are not counted twice; ``clock``
+    times peers' silence and requests for their expiry (virtual time in a simulation).
     """
 
     def __init__(self, pools: Sequence[str], make_router: Callable[[str], Router],
                  unknown: UnknownModels | None = None, rng: random.Random | None = None,
-                 on_conflicts: Callable[[int], None] = lambda count: None) -> None:
+                 on_conflicts: Callable[[int], None] = lambda count: None,
+                 on_decision: DecisionCallback | None = None, picker_id: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.all_pools = not pools
+        self.on_decision = on_decision
+        self.peers = PeerDecisions(picker_id, self.router, clock)
         self._make_router = make_router
         self.unknown = unknown if unknown is not None else UnknownModels()
         self._rng = rng if rng is not None else random.Random()
@@ -112,6 +127,7 @@ class Gateway:
         router = self.routers.get(pool)
         if router is None:
             router = self.routers[pool] = self._make_router(pool)
+            router.on_decision = self.on_decision
         return router
 
     # --- registry --------------------------------------------------------------------------
@@ -247,6 +263,10 @@ class Gateway:
 
     # --- pod bookkeeping (per pool) ----------------------------------------------------------
 
+    def router(self, pool: str) -> Router | None:
+        """The router of ``pool``, None when it is not served."""
+        return self.routers.get(pool)
+
     def table(self, pool: str) -> PodTable | None:
         """The pod table of ``pool``, None when it is not served."""
         router = self.routers.get(pool)
@@ -257,12 +277,38 @@ class Gateway:
         pods = self.table(routed.pool)
         if pods is not None:
             pods.started(routed.pod, routed.prompt_tokens)
+            if self.on_decision is not None:
+                self.on_decision(routed.pool, _routed_event(routed))
 
-    def finished(self, routed: Routed) -> None:
-        """The request sent to ``routed``'s pod has ended."""
+    def finished(self, routed: Routed, prompt_tokens: int = 0,
+                 completion_tokens: int | None = None) -> None:
+        """The request sent to ``routed``'s pod has ended (with the token usage its response
+        reported, when known)."""
         pods = self.table(routed.pool)
         if pods is not None:
             pods.finished(routed.pod)
+            if self.on_decision is not None:
+                self.on_decision(routed.pool, FinishedEvent(
+                    routed.request_id, routed.pod, prompt_tokens, completion_tokens))
+
+    def served_elsewhere(self, routed: Routed, pod: str) -> None:
+        """The request routed as ``routed`` was served by member ``pod`` of its pool (the
+        gateway went down the fallback list): it is accounted there from now on. Peers hear
+        of it as the same request routed again, to ``pod``."""
+        pods = self.table(routed.pool)
+        if pods is not None:
+            pods.served_elsewhere(routed.pod, pod, routed.prompt_tokens)
+            if self.on_decision is not None:
+                self.on_decision(routed.pool, _routed_event(routed, pod))
+
+    def apply_peer(self, batch: DecisionBatch) -> None:
+        """Count a peer picker's decisions as if they were ours (our own batches are
+        ignored); see :class:`~services.picker.peer_decisions.PeerDecisions`."""
+        self.peers.apply(batch)
+
+    def expire_peers(self) -> int:
+        """Forget what silent peers contributed, and peers' requests past their TTL."""
+        return self.peers.expire()
 
     def responded(self, routed: Routed, status: int) -> None:
         """The response to a request sent to ``routed``'s pod started with ``status``."""
@@ -292,3 +338,9 @@ class Gateway:
         for router in self.routers.values():
             counts.update(router.pods.in_flight())
         return counts
+
+
+def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:
+    return RoutedEvent(routed.request_id, routed.pod if pod is None else pod,
+                       routed.target_model, routed.criticality, routed.prompt_tokens,
+                       routed.max_tokens, routed.prefix_hashes)

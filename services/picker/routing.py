@@ -7,6 +7,7 @@ Pure logic (no network): :class:`Router` turns a request body into either a :cla
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,7 +29,15 @@ from scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
 from shared.registry_view import RegistryChanges, RegistryView
-from shared.schemas import Criticality, Endpoint, InferenceModel, InferencePool, PolicyConfig
+from shared.schemas import (
+    Criticality,
+    DecisionEvent,
+    Endpoint,
+    InferenceModel,
+    InferencePool,
+    PolicyConfig,
+    ShedEvent,
+)
 
 log = logging.getLogger("lig.picker.routing")
 
@@ -82,7 +91,8 @@ _BOM = b"\xef\xbb\xbf"  # RFC 8259 lets a parser ignore it; Python's json (vLLM'
 
 class Routed(msgspec.Struct, frozen=True):
     """Send the request to ``endpoint`` (``ip:port``), with ``body`` replacing it when not None;
-    ``fallbacks`` are the next endpoints to try, in policy order (endpoint picker protocol)."""
+    ``fallbacks`` are the next endpoints to try, in policy order (endpoint picker protocol);
+    ``request_id`` numbers the router's decisions (the decision stream's event id)."""
 
     pod: str
     endpoint: str
@@ -95,6 +105,8 @@ class Routed(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0  # estimated (scheduling/prompt.py), for the load estimate
     max_tokens: int = 0  # the client's completion limit, 0 when none
     prefix_hashes: tuple[int, ...] = ()  # chained block hashes, for the decision stream
+    criticality: Criticality = Criticality.STANDARD
+    request_id: int = 0
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -174,6 +186,10 @@ class ModelRoute(msgspec.Struct, frozen=True):
         return self.targets[bisect.bisect_right(self.cumulative, point)]
 
 
+DecisionCallback = Callable[[str, DecisionEvent], None]
+"""Receives each decision a picker makes (pool, event): the decision stream's publisher."""
+
+
 DEFAULT_PREFIX_ENTRIES = 65_536  # ~200 bytes each (bench/bench_prefix.py): ~13 MiB a pool
 
 
@@ -183,6 +199,8 @@ class Router:
     ``prefixes`` is the pool's approximate prefix index (``scheduling/prefix_index.py``) of at
     most ``prefix_entries`` block hashes: every routed prompt is recorded for its pod, and every
     request's prefix matches are handed to the policy (``SchedulingRequest.prefix_hits``).
+    ``on_decision`` hears of every request this router sheds (routed and finished requests are
+    reported by the :class:`~services.picker.pools.Gateway`, which sees them start and end).
     """
 
     def __init__(self, pool: str, pods: PodTable, rng: random.Random,
@@ -200,6 +218,8 @@ class Router:
         self._on_all_stale = on_all_stale
         self._all_stale_log = RateLimitedLog(log)
         self._quoted_pool = msgspec.json.encode(pool).decode()
+        self.on_decision: DecisionCallback | None = None
+        self._next_id = itertools.count(1).__next__
 
     @property
     def policy(self) -> Policy:
@@ -315,7 +335,8 @@ class Router:
                                 target, registered, pool)
             new_body = rewritten
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
-                      fallbacks, pool, request.prompt_tokens, request.max_tokens, hashes)
+                      fallbacks, pool, request.prompt_tokens, request.max_tokens, hashes,
+                      criticality=criticality, request_id=self._next_id())
 
     def _request(self, body: bytes, requested: str, target: str, criticality: Criticality,
                  fields: RequestFields | None) -> SchedulingRequest:
@@ -336,12 +357,14 @@ class Router:
         fresh = _in_subset(self.pods.fresh_views(), subset)
         if fresh:
             pick = fresh[self._rng.randrange(len(fresh))]
-            return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name)
+            return Routed(pick.name, pick.address, "", "", False, pool=self.pool_name,
+                          request_id=self._next_id())
         endpoints = self._members_in(subset)
         if not endpoints:
             return self._no_endpoint() if subset is None else self._none_in_subset()
         endpoint = endpoints[self._rng.randrange(len(endpoints))]
-        return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name)
+        return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name,
+                      request_id=self._next_id())
 
     def _choose(self, request: SchedulingRequest, subset: frozenset[str] | None
                 ) -> tuple[PodView, tuple[str, ...]] | Rejected:
@@ -356,6 +379,9 @@ class Router:
         if decision.pick is not None:
             return decision.pick, self._fallbacks(request, pods, decision)
         if decision.shed:
+            if self.on_decision is not None:
+                self.on_decision(self.pool_name, ShedEvent(
+                    self._next_id(), request.target_model, request.criticality))
             return reject(429, f"pool {self._quoted_pool} is saturated; sheddable request "
                           "dropped", "pool_saturated")
         return reject(503, f"no pod of pool {self._quoted_pool} can take the request",

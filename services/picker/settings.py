@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from services.picker.decision_stream import DEFAULT_DELAY
+from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
 from services.picker.routing import DEFAULT_PREFIX_ENTRIES
 from services.picker.tls import TlsFiles
 from shared import ports
@@ -81,6 +83,19 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "each (bench/bench_prefix.py). The prefix_affinity scorer of the prefix-aware policy "
         "reads it; 0 turns the index off. The default tracks about 16M prompt tokens, more than "
         "the KV caches of a typical pool hold", metavar="N", ge=0)] = DEFAULT_PREFIX_ENTRIES
+    # The decision stream (issue 11, docs/decision-stream.md).
+    shared_decisions: Annotated[bool, option(
+        "share routing decisions with the other picker replicas over NATS "
+        "(<prefix>.decisions.<pool>): each counts its peers' requests in its load estimate as "
+        "its own, so that N replicas decide like one. --no-shared-decisions counts only this "
+        "picker's requests, for comparison")] = True
+    decision_batch_delay: Annotated[float, option(
+        "seconds a decision waits for others to share one NATS message", metavar="SECONDS",
+        ge=0)] = DEFAULT_DELAY
+    decision_request_ttl: Annotated[float, option(
+        "seconds after which a peer's request still counted in flight without a finished event "
+        "is dropped from the counts (a peer that goes silent is dropped after 4 of its 0.5 s "
+        "heartbeats regardless)", metavar="SECONDS", gt=0)] = DEFAULT_REQUEST_TTL
     tls_cert: Annotated[str | None, option(
         "PEM certificate chain: serve ext_proc over TLS (with --tls-key)",
         aliases=("LIG_PICKER_TLS_CERT",))] = None

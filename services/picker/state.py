@@ -9,9 +9,10 @@ tree would never offer such a pod to adapter requests; instead it is assumed to 
 capacity any pod of the pool has reported (a pool runs one vLLM configuration).
 
 Unless disabled, a view's ``waiting`` also counts requests this picker routed to the pod since its
-newest snapshot (see ``services/picker/load_estimate.py``). Pods whose requests hang or fail
-while their metrics look healthy are left out (``services/picker/gray_pods.py``), unless that
-would leave no pod at all.
+newest snapshot (see ``services/picker/load_estimate.py``), and so do the requests peer pickers
+report through the decision stream (``services/picker/peer_decisions.py``). Pods whose requests
+hang or fail while their metrics look healthy are left out (``services/picker/gray_pods.py``),
+unless that would leave no pod at all.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class PodTable:
         self._entries: dict[str, _PodEntry] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_list: tuple[Endpoint, ...] = ()
-        self._in_flight: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}  # this picker's and its peers' requests
+        self._peer_in_flight: dict[str, int] = {}  # the peers' part of it
         self._unreported = UnreportedLoad(load_estimate)
         self._max_lora_seen = 0
         self.gray = gray if gray is not None else GrayPods()
@@ -172,12 +174,27 @@ class PodTable:
 
     def finished(self, pod: str) -> None:
         """The request to ``pod`` has ended (response done or stream closed)."""
-        count = self._in_flight.get(pod, 0) - 1
-        if count > 0:
-            self._in_flight[pod] = count
-        else:
-            self._in_flight.pop(pod, None)
+        _decrement(self._in_flight, pod)
         self.gray.finished(pod)
+
+    def peer_started(self, pod: str, prompt_tokens: int = 0) -> bool:
+        """A peer picker sent a request to ``pod`` (with ``prompt_tokens``): it counts as this
+        picker's own would (in flight until :meth:`peer_finished`, unreported with its tokens
+        until the pod's next snapshot), except for the gray-pod guard, which judges only
+        requests whose outcome this picker sees.
+        False (nothing counted) when ``pod`` is no member here: a count no snapshot of a
+        member would ever clear."""
+        if pod not in self._endpoints:
+            return False
+        self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
+        self._peer_in_flight[pod] = self._peer_in_flight.get(pod, 0) + 1
+        self._unreported.routed(pod, prompt_tokens)
+        return True
+
+    def peer_finished(self, pod: str) -> None:
+        """A request a peer sent to ``pod`` has ended (or its count expired)."""
+        _decrement(self._in_flight, pod)
+        _decrement(self._peer_in_flight, pod)
 
     def served_elsewhere(self, routed: str, served: str, prompt_tokens: int = 0) -> None:
         """The request routed to ``routed`` was served by ``served`` (the gateway went down the
@@ -202,8 +219,28 @@ class PodTable:
         self.gray.responded(pod, status, self._clock())
 
     def in_flight(self) -> dict[str, int]:
-        """Requests in flight per pod (pods with none are absent)."""
-        return dict(self._in_flight)
+        """Requests this picker has in flight per pod (pods with none are absent)."""
+        peers = self._peer_in_flight
+        own = {pod: count - peers.get(pod, 0) for pod, count in self._in_flight.copy().items()}
+        return {pod: count for pod, count in own.items() if count > 0}
+
+    def peer_in_flight(self) -> dict[str, int]:
+        """Requests peer pickers have in flight per pod, as their events report them."""
+        return self._peer_in_flight.copy()
+
+    def unreported(self) -> dict[str, int]:
+        """Requests (this picker's and its peers') routed to each pod since its newest
+        snapshot; empty when the load estimate is off."""
+        return dict(self._unreported.counts)
+
+
+def _decrement(counts: dict[str, int], pod: str) -> None:
+    """One less for ``pod``; pods at zero leave ``counts``."""
+    count = counts.get(pod, 0) - 1
+    if count > 0:
+        counts[pod] = count
+    else:
+        counts.pop(pod, None)
 
 
 def _view(snapshot: PodMetrics, endpoint: Endpoint) -> PodView | None:

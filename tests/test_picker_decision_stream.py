@@ -1,0 +1,89 @@
+"""The decision stream's publisher over a real nats-server: batching per window and pool,
+heartbeats, the bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.picker.decision_stream import DecisionPublisher
+from shared.schemas import Criticality, DecisionBatch, RoutedEvent, decode
+from shared.subjects import Subjects
+
+POOL = "pool-1"
+
+
+def routed(request_id: int, pod: str) -> RoutedEvent:
+    return RoutedEvent(request_id, pod, "m", Criticality.STANDARD)
+
+
+async def test_decisions_of_one_window_go_out_as_one_message_per_pool(nc: Client) -> None:
+    subjects = Subjects()
+    received: list[DecisionBatch] = []
+    await nc.subscribe(subjects.decisions(POOL), cb=_collector(received))
+    await nc.subscribe(subjects.decisions("other"), cb=_collector(received))
+    published: list[int] = []
+    publisher = DecisionPublisher("me", subjects, delay=0.005, heartbeat=60,
+                                  on_published=published.append)
+    task = asyncio.create_task(publisher.run(nc))
+    try:
+        await asyncio.sleep(0.05)
+        for request_id in range(100):
+            publisher(POOL, routed(request_id, "pod-a"))
+        publisher("other", routed(1000, "pod-b"))
+        await _wait_for(lambda: len(received) >= 2)
+        await asyncio.sleep(0.05)  # nothing else may follow
+    finally:
+        task.cancel()
+    by_pool = {b.pool: b for b in received}
+    assert len(received) == 2 and set(by_pool) == {POOL, "other"}
+    assert [e.request_id for e in by_pool[POOL].events] == list(range(100))
+    assert by_pool[POOL].picker == "me" and sum(published) == 101
+
+
+async def test_a_quiet_publisher_sends_heartbeats(nc: Client) -> None:
+    subjects = Subjects()
+    received: list[DecisionBatch] = []
+    await nc.subscribe(subjects.decisions(POOL), cb=_collector(received))
+    publisher = DecisionPublisher("me", subjects, delay=0.001, heartbeat=0.1)
+    task = asyncio.create_task(publisher.run(nc))
+    try:
+        publisher(POOL, routed(1, "pod-a"))
+        await _wait_for(lambda: len(received) >= 4, within=3)
+    finally:
+        task.cancel()
+    assert received[0].events and all(not b.events for b in received[1:4])
+    assert all(b.heartbeat_s == 0.1 for b in received)
+
+
+async def test_the_queue_is_bounded_and_drops_while_nats_is_away(nc: Client) -> None:
+    dropped: dict[str, int] = {}
+    publisher = DecisionPublisher("me", Subjects(), max_pending=10,
+                                  on_dropped=lambda reason, n: dropped.update(
+                                      {reason: dropped.get(reason, 0) + n}))
+    for request_id in range(25):
+        publisher(POOL, routed(request_id, "pod-a"))
+    await nc.close()
+    await publisher.flush(nc)
+    assert dropped == {"queue_full": 15, "nats_away": 10}
+    assert publisher.take() == {}
+
+
+def _collector(received: list[DecisionBatch]) -> Callable[[Msg], Awaitable[None]]:
+    async def on_message(message: Msg) -> None:
+        received.append(decode(message.data, DecisionBatch))
+
+    return on_message
+
+
+async def _wait_for(condition: Callable[[], bool], within: float = 2.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not met in time")
+        await asyncio.sleep(0.005)
