@@ -68,7 +68,7 @@ async def fill(url: str, snapshots: int, decisions: int) -> tuple[Window, int, i
             if i < decisions:
                 data = (b"%016d" % i) * (DECISION_BYTES // 16)
                 decision_bytes += len(data)
-                await nc.publish(SUBJECTS.pool_decisions("chat"), data)
+                await nc.publish(SUBJECTS.decisions("chat"), data)
             if i % 2000 == 0:
                 await nc.flush()
         await nc.flush()
@@ -90,7 +90,7 @@ async def raw_read(url: str, window: Window) -> int:
     count = 0
     try:
         for stream, subject in ((SUBJECTS.metrics_stream, SUBJECTS.all_metrics()),
-                                (SUBJECTS.decisions_stream, SUBJECTS.recorded_decisions())):
+                                (SUBJECTS.decisions_stream, SUBJECTS.all_decisions())):
             async for _ in read_stream(nc.jetstream(), stream, subject, window.from_ns,
                                        window.to_ns):
                 count += 1

@@ -147,7 +147,7 @@ async def export(settings: NatsSettings, window: Window, out: BinaryIO, pool: st
         changes = sorted(changes_in(revisions, window.from_ns, window.to_ns),
                          key=lambda item: (item.time_ns, item.bucket_seq))
         metrics = subjects.pool_metrics(pool) if pool else subjects.all_metrics()
-        decisions = subjects.pool_decisions(pool) if pool else subjects.recorded_decisions()
+        decisions = subjects.decisions(pool) if pool else subjects.all_decisions()
         writer = Writer(out, FileHeader(time.time_ns(), window.from_ns, window.to_ns,
                                         subjects.prefix, pool, socket.gethostname()))
         for item in state_at(revisions, window.from_ns):

@@ -36,19 +36,20 @@ from __future__ import annotations
 import enum
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import msgspec
 
 from scheduling_bench.workloads import BASE_MODEL, OBJECTIVES, BenchRequest
-from services.picker.core import build_gateway, shares_decisions
+from services.picker.core import build_gateway
 from services.picker.metrics_feed import SnapshotSink
 from services.picker.pools import Gateway
-from services.picker.routing import Rejected, Routed
+from services.picker.routing import DecisionCallback, Rejected, Routed
 from services.picker.settings import PickerSettings
 from shared.registry_view import RegistryView
 from shared.schemas import (
+    DecisionBatch,
+    DecisionEvent,
     Endpoint,
     EndpointSet,
     InferenceModel,
@@ -194,7 +195,7 @@ class _Simulation:
         self.names = [f"pod-{pod}" for pod in range(config.pods)]
         self.index = {name: pod for pod, name in enumerate(self.names)}
         self.seq = [0] * config.pods
-        self.shared = config.shared_decisions and config.pickers > 1 and shares_decisions()
+        self.shared = config.shared_decisions and config.pickers > 1
         settings = PickerSettings(pools=[POOL], load_estimate=config.load_estimate)
         view = registry_view(policy, self.names, (BASE_MODEL, *config.engine.adapters))
         self.replicas = []
@@ -254,14 +255,12 @@ class _Simulation:
 
     # --- shared decisions ----------------------------------------------------------------------
 
-    def _sharer(self, source: int) -> Callable[[str, Any], None]:
+    def _sharer(self, source: int) -> DecisionCallback:
         """The ``on_decision`` callback of replica ``source``: its peers apply the event after
         ``decision_delay``."""
-        from shared.schemas import DecisionBatch  # only with the decision stream
-
         picker = _picker_id(source)
 
-        def share(pool: str, event: Any) -> None:
+        def share(pool: str, event: DecisionEvent) -> None:
             batch = DecisionBatch(picker=picker, pool=pool,
                                   sent_at_ns=round(self.clock.now() * 1e9), events=[event])
             self.loop.at(self.clock.now() + self.config.decision_delay, DELIVERY,
@@ -269,11 +268,11 @@ class _Simulation:
 
         return share
 
-    def _apply_peer(self, now: float, message: tuple[int, Any]) -> None:
+    def _apply_peer(self, now: float, message: tuple[int, DecisionBatch]) -> None:
         source, batch = message
         for number, replica in enumerate(self.replicas):
             if number != source:
-                replica.gateway.apply_peer(batch)  # type: ignore[attr-defined]
+                replica.gateway.apply_peer(batch)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -68,14 +68,6 @@ class Subjects(Struct, frozen=True):
         the registry bucket's own stream."""
         return f"{self.prefix.replace('.', '_').upper()}_REGISTRY"
 
-    def recorded_decisions(self) -> str:
-        """Wildcard over every pool's decisions (the decisions stream's subjects)."""
-        return f"{self.prefix}.decisions.>"
-
-    def pool_decisions(self, pool: str) -> str:
-        """Where the pickers publish the decisions they made for ``pool``."""
-        return f"{self.prefix}.decisions.{escape_token(pool)}"
-
     def metrics(self, pool: str, pod: str) -> str:
         """Where one pod's snapshots are published."""
         return f"{self.prefix}.metrics.{escape_token(pool)}.{escape_token(pod)}"
@@ -114,7 +106,8 @@ class Subjects(Struct, frozen=True):
         return f"{self.prefix}.decisions.{escape_token(pool)}"
 
     def all_decisions(self) -> str:
-        """Wildcard over every pool's decisions (what a picker serving every pool follows)."""
+        """Wildcard over every pool's decisions (what a picker serving every pool follows, and
+        what the decisions stream records)."""
         return f"{self.prefix}.decisions.*"
 
     def parse_metrics(self, subject: str) -> tuple[str, str]:

@@ -72,8 +72,8 @@ async def test_export_holds_the_window_of_one_pool_and_its_registry_at_the_start
         for seq in range(3):
             await nc.publish(SUBJECTS.metrics("a", "pod-1"), snapshot("a", "pod-1", seq, seq))
             await nc.publish(SUBJECTS.metrics("b", "pod-9"), snapshot("b", "pod-9", seq, seq))
-            await nc.publish(SUBJECTS.pool_decisions("a"), b"opaque %d" % seq)
-            await nc.publish(SUBJECTS.pool_decisions("b"), b"other %d" % seq)
+            await nc.publish(SUBJECTS.decisions("a"), b"opaque %d" % seq)
+            await nc.publish(SUBJECTS.decisions("b"), b"other %d" % seq)
         await nc.flush()
         await asyncio.sleep(0.3)
         await kv.delete(endpoints_key("a"))

@@ -111,7 +111,7 @@ async def test_recording_survives_a_nats_restart_with_or_without_its_store(
                 nats_server.url, record_max_age_s=600.0, record_max_bytes=SMALL.metrics,
                 record_decisions_max_bytes=SMALL.decisions)):
             await counts.until(15, "recording", metrics=3, registry=2)
-            await nc.publish(SUBJECTS.pool_decisions("main"), b"decision 1")
+            await nc.publish(SUBJECTS.decisions("main"), b"decision 1")
             await counts.until(5, "a decision recorded", decisions=1)
             before = dict(counts.now)
 
@@ -119,7 +119,7 @@ async def test_recording_survives_a_nats_restart_with_or_without_its_store(
             await counts.until(15, "kept over the restart", **{
                 stream.removeprefix("LIG_").lower(): count for stream, count in before.items()})
             # Recording goes on: new snapshots, a decision and a registry change after it.
-            await nc.publish(SUBJECTS.pool_decisions("main"), b"decision 2")
+            await nc.publish(SUBJECTS.decisions("main"), b"decision 2")
             kv = await nc.jetstream().key_value(SUBJECTS.registry_bucket)
             await put_pool(kv, InferencePool(name="main", target_port=8001),
                            [pod("a", server.port)])
@@ -134,7 +134,7 @@ async def test_recording_survives_a_nats_restart_with_or_without_its_store(
             nats_server.start()
             await counts.until(15, "recreated after the store was lost", metrics=3)
             await counts.until(5, "every stream recreated", decisions=0, registry=0)
-            await nc.publish(SUBJECTS.pool_decisions("main"), b"decision 3")
+            await nc.publish(SUBJECTS.decisions("main"), b"decision 3")
             kv = await registry_bucket(nc)
             await put_pool(kv, InferencePool(name="main", target_port=8000),
                            [pod("a", server.port)])

@@ -67,7 +67,7 @@ def recording_configs(subjects: Subjects, max_age_s: float, replicas: int = 1,
     return [
         stream_config(subjects, max_age_s, replicas, max_bytes.metrics),
         recording.recording_config(
-            subjects.decisions_stream, subjects.recorded_decisions(),
+            subjects.decisions_stream, subjects.all_decisions(),
             "the pickers' decisions, recorded for replay", max_age_s, max_bytes.decisions,
             replicas),
         recording.recording_config(

@@ -67,8 +67,3 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                       on_decision=on_decision, picker_id=picker_id, clock=clock)
     gateway.peers.request_ttl = settings.decision_request_ttl
     return gateway
-
-
-def shares_decisions() -> bool:
-    """Whether this core can publish its decisions and apply its peers' (the decision stream)."""
-    return hasattr(Gateway, "apply_peer")
