@@ -194,8 +194,8 @@ def main() -> None:
     short = msgspec.json.encode({"model": "chat", "prompt": "hello", "max_tokens": 16})
     prefix_router, tree_router = router("prefix-aware", args.pods), router("filter-tree",
                                                                             args.pods)
-    assert isinstance(prefix_router.route(chat), Routed)
-    assert prefix_router.route(chat).prefix_hashes  # type: ignore[union-attr]
+    routed = prefix_router.route(chat)
+    assert isinstance(routed, Routed) and routed.prefix_hashes
     seed_router = router("filter-tree", args.pods)
 
     def seed_path() -> object:

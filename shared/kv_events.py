@@ -321,18 +321,26 @@ class KVEventDecoder:
             raise _Malformed("hash", "block_hashes is not a non-empty array")
         if len(raw) > self.limits.max_hashes:
             raise _Malformed("hash", f"{len(raw)} block hashes in one event")
-        hashes = tuple(normalise_hash(value) for value in raw)
-        if None in hashes:
-            raise _Malformed("hash", "a block hash is not an integer or bytes")
-        return hashes  # type: ignore[return-value]
+        hashes = []
+        for value in raw:
+            normalised = normalise_hash(value)
+            if normalised is None:
+                raise _Malformed("hash", "a block hash is not an integer or bytes")
+            hashes.append(normalised)
+        return tuple(hashes)
 
 
 def _typed_hashes(raw: list[int | bytes], limits: Limits) -> tuple[int, ...] | None:
     """Normalised hashes of a typed event, or None if they break a rule."""
     if not raw or len(raw) > limits.max_hashes:
         return None
-    hashes = tuple(value & U64 if type(value) is int else normalise_hash(value) for value in raw)
-    return None if None in hashes else hashes  # type: ignore[return-value]
+    hashes = []
+    for value in raw:
+        normalised = value & U64 if type(value) is int else normalise_hash(value)
+        if normalised is None:
+            return None
+        hashes.append(normalised)
+    return tuple(hashes)
 
 
 def _optional_str(value: object) -> str | None:
