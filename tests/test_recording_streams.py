@@ -80,7 +80,7 @@ async def test_every_recording_stream_has_an_age_and_a_size_limit(nats_server: N
                               [source.name for source in config.sources or ()])
         assert limits == {
             SUBJECTS.metrics_stream: (600.0, SMALL.metrics, ["lig.metrics.>"], []),
-            SUBJECTS.decisions_stream: (600.0, SMALL.decisions, ["lig.decisions.>"], []),
+            SUBJECTS.decisions_stream: (600.0, SMALL.decisions, [SUBJECTS.all_decisions()], []),
             SUBJECTS.registry_stream: (600.0, SMALL.registry, None,
                                        [registry_source(SUBJECTS)]),
         }
