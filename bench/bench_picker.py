@@ -29,7 +29,9 @@ that revision's code (from git) behind its own Envoy: the same requests on the s
 path, in the same run, so the ratio shows what reading prompts costs.
 
 Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]
-[--compare-body-modes] [--policy prefix-aware] [--chat-tokens 4000]``.
+[--compare-body-modes] [--policy prefix-aware] [--chat-tokens 4000]
+[--no-shared-decisions]``; the measured picker publishes and applies the decision stream unless
+``--no-shared-decisions``.
 """
 
 from __future__ import annotations
@@ -233,8 +235,10 @@ class Stack:
     """NATS, upstream processes, one picker, one Envoy with gateway and baseline listeners."""
 
     def __init__(self, workdir: Path, body_modes: bool = False,
-                 policy: str | None = None, seed_rev: str | None = None) -> None:
+                 policy: str | None = None, seed_rev: str | None = None,
+                 picker_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
+        self.picker_args = picker_args  # extra flags of the measured picker (not the others)
         self.policy = policy  # the pool's scheduling policy (None: the picker's default)
         self.seed_rev = seed_rev  # also run a picker of this git revision (None: not)
         self.seed_picker: PickerProcess | None = None
@@ -272,8 +276,8 @@ class Stack:
         self.feed.set_endpoints(addresses)
         for name, address in addresses.items():
             self.feed.set_metrics(name, address, waiting=1, running=4, kv_cache_usage=0.3)
-        self.picker = PickerProcess(POOL, self.nats.url, self.workdir,
-                                    log_level="WARNING").start().wait_ready()
+        self.picker = PickerProcess(POOL, self.nats.url, self.workdir, log_level="WARNING",
+                                    extra_args=self.picker_args).start().wait_ready()
         if self.body_modes:
             for body_mode in BODY_MODES:
                 self.mode_envoys[body_mode] = EnvoyProcess(envoy_config(
@@ -499,7 +503,9 @@ async def run(args: argparse.Namespace) -> int:
     if args.compare_body_modes:
         return await run_body_modes(args)
     with tempfile.TemporaryDirectory() as workdir:
-        stack = Stack(Path(workdir), policy=args.policy, seed_rev=args.seed_rev or None).start()
+        picker_args = ("--no-shared-decisions",) if args.no_shared_decisions else ()
+        stack = Stack(Path(workdir), policy=args.policy, seed_rev=args.seed_rev or None,
+                      picker_args=picker_args).start()
         try:
             plain, alias = request_bytes("bench-model"), request_bytes("bench-alias")
             chat = chat_bytes("bench-model", args.chat_tokens)
@@ -564,7 +570,9 @@ def report(results: dict[str, list[Sample]], args: argparse.Namespace) -> int:
     chat_cpu = median(results["picker closed, chat"], "picker_cpu_us")
     chat_ratio = (median(results["picker closed, chat"], "rate")
                   / median(results["baseline closed, chat"], "rate"))
-    print(f"{args.chat_tokens}-token chat prompt, policy {args.policy or 'default'}: picker CPU "
+    stream = "off" if args.no_shared_decisions else "on"
+    print(f"{args.chat_tokens}-token chat prompt, policy {args.policy or 'default'}, decision "
+          f"stream {stream}: picker CPU "
           f"{chat_cpu:.0f} us/request ({chat_cpu / cpu:.2f}x the short prompt's), throughput "
           f"{chat_ratio:.2f}x the static route's")
     if "seed picker closed, chat" in results:
@@ -604,6 +612,9 @@ def main() -> int:
                         "skip)")
     parser.add_argument("--chat-tokens", type=int, default=4000,
                         help="prompt tokens of the chat run's request (4 characters each)")
+    parser.add_argument("--no-shared-decisions", action="store_true",
+                        help="run the measured picker without the decision stream (lig picker "
+                             "--no-shared-decisions), to compare with the default (on)")
     parser.add_argument("--serve-constant-answers", nargs=2, metavar=("PORT", "DESTINATION"),
                         help=argparse.SUPPRESS)  # the floor server's own process
     args = parser.parse_args()

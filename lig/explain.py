@@ -36,7 +36,7 @@ from scheduling import (
 )
 from services.picker.gray_pods import GrayPods
 from services.picker.state import PodTable
-from shared.schemas import Criticality, Endpoint, PodMetrics, PolicyConfig
+from shared.schemas import DEFAULT_POLICY_NAME, Criticality, Endpoint, PodMetrics, PolicyConfig
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 _SHOWN_NAMES = 8  # pod names listed per step in text output before "+N more"
@@ -94,7 +94,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``lig explain``."""
     parser.add_argument("--pods", required=True, type=Path, help="JSON list of pods")
     parser.add_argument("--request", required=True, type=Path, help="JSON request object")
-    parser.add_argument("--policy", default="filter-tree", choices=policy_names())
+    parser.add_argument("--policy", default=DEFAULT_POLICY_NAME, choices=policy_names(),
+                        help="scheduling policy (default: lig picker's, %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=None, help="seed of the final random pick")
     parser.add_argument(

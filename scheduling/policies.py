@@ -191,16 +191,16 @@ def _tree_policy(
 
 
 POLICIES: dict[str, PolicyFactory] = {
+    "prefix-aware": _prefix_aware,
     "filter-tree": _filter_tree,
     "round-robin": _round_robin,
     "random": _random,
     "least-queue": _least_queue,
-    "prefix-aware": _prefix_aware,
 }
 
 
 def policy_names() -> list[str]:
-    """The names ``build_policy`` accepts, the default (``filter-tree``) first."""
+    """The names ``build_policy`` accepts, the default (``prefix-aware``) first."""
     return list(POLICIES)
 
 

@@ -54,7 +54,7 @@ class ProfileParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ScorerSpec("token_load", 1.0, {"token_scale": 4096}),
         ScorerSpec("queue_load", 1.0),
         ScorerSpec("kv_cache_load", 1.0),
-        ScorerSpec("lora_fit", 1.0),
+        ScorerSpec("lora_fit", 3.25),
     )
     picker: str = "random"
 

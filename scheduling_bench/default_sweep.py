@@ -28,8 +28,9 @@ from shared.schemas import PolicyConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 
 # filter-tree+raw: the same tree without the pickers' load estimate (upstream's behaviour);
-# default+oracle: lig picker's default policy on every pod's exact state (the bound).
-POLICIES = ("round-robin", "random", "least-queue", "filter-tree", "filter-tree+raw",
+# default: lig picker's default policy; default+oracle: the same on every pod's exact state (the
+# bound).
+POLICIES = ("round-robin", "random", "least-queue", "filter-tree", "filter-tree+raw", "default",
             "default+oracle")
 DURATION = 30.0
 SEED = 1

@@ -80,10 +80,13 @@ async def connect(
     name: str,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    no_echo: bool = False,
 ) -> Client:
     """Connect and keep reconnecting forever (the services must outlive NATS restarts).
 
-    The first connection is retried too, so a service may start before NATS does.
+    The first connection is retried too, so a service may start before NATS does. With
+    ``no_echo`` the server does not deliver this connection's own publishes to its own
+    subscriptions.
     """
 
     async def error_cb(exc: Exception) -> None:
@@ -116,6 +119,7 @@ async def connect(
         error_cb=error_cb,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
+        no_echo=no_echo,
     )
 
 
@@ -129,14 +133,16 @@ async def connection(
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     drain: bool = False,
     close_within: float = 1.0,
+    no_echo: bool = False,
 ) -> AsyncIterator[Client | None]:
     """A connection for the block, or None when ``stop`` was set before NATS answered.
 
     On the way out the connection is drained (``drain``: pending publishes go out, the
-    subscriptions end) or closed, within ``close_within`` seconds either way.
+    subscriptions end) or closed, within ``close_within`` seconds either way. ``no_echo``: as
+    :func:`connect`.
     """
     connecting = asyncio.create_task(connect(settings, name, on_reconnect=on_reconnect,
-                                             on_disconnect=on_disconnect))
+                                             on_disconnect=on_disconnect, no_echo=no_echo))
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)

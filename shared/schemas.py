@@ -44,10 +44,14 @@ class EndpointSet(msgspec.Struct, frozen=True):
     schema: int = SCHEMA_VERSION
 
 
+DEFAULT_POLICY_NAME = "prefix-aware"
+"""The scheduling policy of a pool that names none (chosen by the benchmark, docs/benchmarks.md)."""
+
+
 class PolicyConfig(msgspec.Struct, frozen=True):
     """Which scheduling policy a pool uses, and its parameters (thresholds) by name."""
 
-    name: str = "filter-tree"
+    name: str = DEFAULT_POLICY_NAME
     params: dict[str, Any] = {}
 
 

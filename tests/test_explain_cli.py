@@ -27,7 +27,8 @@ def explain_json(capsys, *args: str) -> dict:
 
 def test_examples_text_output(capsys) -> None:
     pods, req = str(EXAMPLES / "pods.json"), str(EXAMPLES / "request.json")
-    assert main(["explain", "--pods", pods, "--request", req, "--seed", "1"]) == 0
+    assert main(["explain", "--pods", pods, "--request", req, "--seed", "1",
+                 "--policy", "filter-tree"]) == 0
     out = capsys.readouterr().out
     assert "affinity LoRA" in out and "3 in -> 2 kept [vllm-1, vllm-2]" in out
     assert out.rstrip().endswith("pick: vllm-1 (10.0.0.11:8000)")
@@ -35,7 +36,7 @@ def test_examples_text_output(capsys) -> None:
 
 def test_examples_json_output(capsys) -> None:
     pods, req = str(EXAMPLES / "pods.json"), str(EXAMPLES / "request.json")
-    result = explain_json(capsys, "--pods", pods, "--request", req)
+    result = explain_json(capsys, "--pods", pods, "--request", req, "--policy", "filter-tree")
     assert result["candidates"] == ["vllm-1"]
     assert (result["pick"], result["shed"], result["policy"]) == ("vllm-1", False, "filter-tree")
     assert [s["step"] for s in result["steps"]] == [
@@ -93,7 +94,8 @@ def test_policy_param_and_seed(tmp_path, capsys) -> None:
     assert (rr["policy"], rr["pick"]) == ("round-robin", "p0")
 
     # queueing_threshold_lora=0: no pod is under the threshold, so that step fails
-    tree = explain_json(capsys, *args, "--param", "queueing_threshold_lora=0")
+    tree = explain_json(capsys, *args, "--policy", "filter-tree",
+                        "--param", "queueing_threshold_lora=0")
     assert tree["steps"][1]["kept"] == [] and tree["steps"][1]["branch"] == "on_failure"
 
     picks = {explain_json(capsys, *args, "--seed", "4")["pick"] for _ in range(3)}

@@ -15,6 +15,7 @@ from services.picker.routing import ModelRoute, Rejected, Routed, Router, rewrit
 from services.picker.state import PodTable
 from shared.registry_view import RegistryChanges, RegistryView
 from shared.schemas import (
+    DEFAULT_POLICY_NAME,
     Criticality,
     Endpoint,
     EndpointSet,
@@ -183,7 +184,7 @@ def test_bodiless_request_goes_to_a_fresh_pod() -> None:
 
 def test_policy_follows_the_pool_configuration() -> None:
     fleet = Fleet().pod("a", 8001).pod("b", 8002)
-    assert fleet.router.policy.name == "filter-tree"
+    assert fleet.router.policy.name == DEFAULT_POLICY_NAME == "prefix-aware"
     fleet.view.pools[POOL] = InferencePool(name=POOL, target_port=8000,
                                            policy=PolicyConfig(name="round-robin"))
     fleet.router.update(fleet.view)

@@ -34,9 +34,15 @@ def ask(stack: Stack, group: int, question: str) -> str:
     return response.headers["x-upstream"]
 
 
+def current_policy(stack: Stack) -> str:
+    """The policy the picker logged it switched to last; the default before any switch."""
+    switches = [line for line in stack.pickers[0].log().splitlines() if "using policy " in line]
+    return switches[-1].rsplit("using policy ", 1)[1].strip() if switches else PolicyConfig().name
+
+
 def use_policy(stack: Stack, name: str) -> None:
     stack.reset(policy=PolicyConfig(name))
-    stack.settle(lambda: f"using policy {name}" in stack.pickers[0].log(), f"policy {name}")
+    stack.settle(lambda: current_policy(stack) == name, f"policy {name}")
     stack.settle(stack.all_fresh, "every pod fresh")
 
 

@@ -19,7 +19,7 @@ from services.registry.check import check
 from services.registry.files import MAX_FILE_BYTES, FileSnapshot, SourceFile, load, read_files
 from services.registry.loader import InvalidRegistry, Problem
 from services.registry.overrides import OverrideError, apply_override, read_override
-from shared.schemas import Criticality, Endpoint, TargetModel
+from shared.schemas import DEFAULT_POLICY_NAME, Criticality, Endpoint, TargetModel
 from tests.support.registry_yaml import dump, model, pool
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local" / "pool.yaml"
@@ -296,7 +296,7 @@ def test_valid_input_converts_to_wire_messages() -> None:
         "/stats", 9100, True)
     assert (first.policy.name, first.policy.params) == ("filter-tree",
                                                         {"queueing_threshold_lora": 10})
-    assert registry.pools[1].policy.name == "filter-tree"  # the default
+    assert registry.pools[1].policy.name == DEFAULT_POLICY_NAME == "prefix-aware"  # the default
     # Only pools that list endpoints publish an endpoint set; the port defaults to the pool's.
     [endpoints] = registry.endpoint_sets
     assert endpoints.pool == "pool-a"

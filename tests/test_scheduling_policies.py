@@ -32,7 +32,7 @@ def policy(name: str, seed: int = 0, **params):
 
 
 def test_policy_names_default_first() -> None:
-    assert policy_names() == ["filter-tree", "round-robin", "random", "least-queue", "prefix-aware"]
+    assert policy_names() == ["prefix-aware", "filter-tree", "round-robin", "random", "least-queue"]
     assert PolicyConfig().name == policy_names()[0]
     for name in policy_names():
         assert policy(name).name == name

@@ -232,11 +232,10 @@ def test_bad_profiles_are_refused_with_a_message(params: dict, message: str) -> 
         prefix_aware(**params)
 
 
-def test_prefix_aware_is_named_but_not_the_default() -> None:
+def test_prefix_aware_is_the_default() -> None:
     from scheduling import policy_names
 
-    assert "prefix-aware" in policy_names()
-    assert policy_names()[0] == "filter-tree" == PolicyConfig().name
+    assert policy_names()[0] == "prefix-aware" == PolicyConfig().name
 
 
 def test_a_huge_prompt_is_counted_whole_but_hashed_only_as_far_as_needed() -> None:

@@ -342,8 +342,10 @@ class _NatsLink:
             if self.watcher is not None:
                 self.watcher.resync()
 
+        # no_echo: the picker consumes nothing it publishes; its own decision batches would
+        # come back (one message per batch) only to be decoded and dropped.
         async with connection(self._settings, "lig-picker", stop, on_reconnect=on_reconnect,
-                              close_within=0.5) as client:
+                              close_within=0.5, no_echo=True) as client:
             if client is None:
                 return
             self.client = client

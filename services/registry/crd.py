@@ -35,6 +35,8 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
+from shared.schemas import DEFAULT_POLICY_NAME
+
 API_GROUP: Final = "inference.networking.x-k8s.io"
 API_VERSIONS = (f"{API_GROUP}/v1alpha1", f"{API_GROUP}/v1alpha2")
 POOL_KIND: Final = "InferencePool"
@@ -81,7 +83,7 @@ class MetricsSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SchedulingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The pool's scheduling policy and its parameters (local extension)."""
 
-    policy: Name = "filter-tree"
+    policy: Name = DEFAULT_POLICY_NAME
     params: dict[str, Any] = {}
 
 

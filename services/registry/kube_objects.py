@@ -50,6 +50,7 @@ from services.registry import crd
 from services.registry import networks as networks_module
 from services.registry.loader import Registry
 from shared.schemas import (
+    DEFAULT_POLICY_NAME,
     Criticality,
     Endpoint,
     EndpointSet,
@@ -196,7 +197,7 @@ def _pool(name: str, namespace: str, meta: Mapping[str, Any], spec: Mapping[str,
                         "port": _int_option(options, "metrics-port")},
                        crd.MetricsSpec, "metadata.annotations")
     params = _json_option(options, "scheduling-params")
-    policy = PolicyConfig(options.get("scheduling-policy", "filter-tree"), params)
+    policy = PolicyConfig(options.get("scheduling-policy", DEFAULT_POLICY_NAME), params)
     try:
         build_policy(policy, random.Random())
     except PolicyConfigError as exc:
