@@ -286,21 +286,27 @@ def generate(workload: Workload, rate: float, duration: float, seed: int) -> lis
         roles: tuple[str, ...] = ("user",)
         if system is not None:
             segments, roles = (system, *segments), ("system", *roles)
-        requests.append(
-            BenchRequest(
-                time=time,
-                spec=RequestSpec(
-                    request_id=f"r{index}",
-                    prompt=SyntheticPrompt(segments),
-                    max_tokens=output,
-                    adapter=adapter,
-                ),
-                model=adapter or BASE_MODEL,
-                criticality=criticality,
-                roles=roles if workload.chat else None,
-            )
-        )
+        requests.append(_request(workload, time, f"r{index}", segments, roles, output, adapter,
+                                 criticality))
     return requests
+
+
+def _request(workload: Workload, time: float, request_id: str,
+             segments: tuple[tuple[int, int], ...], roles: tuple[str, ...], output: int,
+             adapter: str | None, criticality: Criticality, after: int = -1,
+             think: float = 0.0) -> BenchRequest:
+    """One request of ``workload``: its prompt segments (with their chat roles), answer length,
+    adapter and criticality; ``after``/``think`` place a conversation's later turn."""
+    return BenchRequest(
+        time=time,
+        spec=RequestSpec(request_id=request_id, prompt=SyntheticPrompt(segments),
+                         max_tokens=output, adapter=adapter),
+        model=adapter or BASE_MODEL,
+        criticality=criticality,
+        roles=roles if workload.chat else None,
+        after=after,
+        think=think,
+    )
 
 
 def _draws(workload: Workload, rng: random.Random, adapters: tuple[str, ...],
@@ -347,22 +353,10 @@ def _conversations(workload: Workload, times: Iterator[float],
             think = rng.expovariate(1.0 / workload.think_time) if workload.think_time else 0.0
             if turn:
                 requests[-1] = msgspec.structs.replace(requests[-1], then=index)
-            requests.append(
-                BenchRequest(
-                    time=time if turn == 0 else math.nan,
-                    spec=RequestSpec(
-                        request_id=f"c{conversation}t{turn}",
-                        prompt=SyntheticPrompt(segments),
-                        max_tokens=output,
-                        adapter=adapter,
-                    ),
-                    model=adapter or BASE_MODEL,
-                    criticality=criticality,
-                    roles=roles if workload.chat else None,
-                    after=index - 1 if turn else -1,
-                    think=think,
-                )
-            )
+            requests.append(_request(
+                workload, time if turn == 0 else math.nan, f"c{conversation}t{turn}", segments,
+                roles, output, adapter, criticality, after=index - 1 if turn else -1,
+                think=think))
             segments = (*segments, (_ANSWER_SEED + index, output))
             roles = (*roles, "assistant")
     return requests

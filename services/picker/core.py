@@ -63,7 +63,6 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
 
     unknown = UnknownModels(reject=settings.reject_unknown_models,
                             default_pool=settings.default_pool)
-    gateway = Gateway(settings.pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts,
-                      on_decision=on_decision, picker_id=picker_id, clock=clock)
-    gateway.peers.request_ttl = settings.decision_request_ttl
-    return gateway
+    return Gateway(settings.pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts,
+                   on_decision=on_decision, picker_id=picker_id, clock=clock,
+                   request_ttl=settings.decision_request_ttl)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from services.picker.peer_decisions import PeerDecisions
+from services.picker.peer_decisions import DEFAULT_REQUEST_TTL, PeerDecisions
 from services.picker.routing import (
     Answered,
     DecisionCallback,
@@ -98,10 +98,11 @@ class Gateway:
                  unknown: UnknownModels | None = None, rng: random.Random | None = None,
                  on_conflicts: Callable[[int], None] = lambda count: None,
                  on_decision: DecisionCallback | None = None, picker_id: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 request_ttl: float = DEFAULT_REQUEST_TTL) -> None:
         self.all_pools = not pools
         self.on_decision = on_decision
-        self.peers = PeerDecisions(picker_id, self.router, clock)
+        self.peers = PeerDecisions(picker_id, self.router, clock, request_ttl)
         self._make_router = make_router
         self.unknown = unknown if unknown is not None else UnknownModels()
         self._rng = rng if rng is not None else random.Random()
