@@ -12,8 +12,12 @@ import msgspec
 from shared.schemas import Criticality
 
 
-class PodView(msgspec.Struct, frozen=True):
-    """What a policy knows about one pod: newest metrics and this picker's in-flight count."""
+class PodView(msgspec.Struct, frozen=True, array_like=True):
+    """What a policy knows about one pod: newest metrics and this picker's in-flight count.
+
+    Encoded as a positional array: decision records carry one per candidate pod
+    (``scheduling/record.py``), so field order is part of the recording contract.
+    """
 
     name: str
     address: str

@@ -110,6 +110,15 @@ class Subjects(Struct, frozen=True):
         what the decisions stream records)."""
         return f"{self.prefix}.decisions.*"
 
+    def records(self, pool: str) -> str:
+        """Where the pickers publish the decision records of ``pool`` (the flight recorder:
+        ``scheduling/record.py``; not read by peers, only recorded)."""
+        return f"{self.prefix}.records.{escape_token(pool)}"
+
+    def all_records(self) -> str:
+        """Wildcard over every pool's decision records."""
+        return f"{self.prefix}.records.*"
+
     def parse_metrics(self, subject: str) -> tuple[str, str]:
         """``(pool, pod)`` from a metrics subject; ValueError if it is not one."""
         parts = subject.split(".")
