@@ -15,7 +15,8 @@ import sys
 from shared.host.errors import ServiceError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("lig.up", "run the whole local stack: NATS, registry, collector, pickers, Envoy, sims"),
+    "up": ("lig.up", "run the whole local stack: NATS, registry, collector, kv-events, "
+                     "pickers, Envoy, sims"),
     "status": ("lig.status", "show pods, their latest metrics and freshness, and picker counts"),
     "picker": ("services.picker.main", "serve Envoy ext_proc: pick a pod per request"),
     "collector": ("services.collector.main", "scrape model servers and publish metric snapshots"),

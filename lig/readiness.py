@@ -2,7 +2,8 @@
 
 Ready means, in order of what usually comes first: NATS answers; the simulated pods answer
 ``/health``; the registry has published every served pool's endpoints; every pod has a metrics
-snapshot (an ok one for simulated pods); every picker reports ``readiness`` SERVING over gRPC
+snapshot (an ok one for simulated pods); ``lig kv-events`` (when it runs) has subscribed to every
+simulated pod; every picker reports ``readiness`` SERVING over gRPC
 health; Envoy's admin ``/ready`` says LIVE; and a ``GET /v1/models`` through Envoy is answered
 (by a picker, from the registry).
 """
@@ -23,6 +24,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from lig.probes import grpc_serving, http_ok
 from lig.supervisor import Supervisor
 from lig.topology import LOOPBACK, StackPlan
+from services.kvevents.observability import PODS_GAUGE
 from shared.nats_connection import NatsSettings, connect
 from shared.schemas import DecodeError, EndpointSet, PodMetrics, decode
 from shared.subjects import Subjects, endpoints_key
@@ -92,6 +94,18 @@ class _Stack:
     def expected_pods(self) -> list[str]:
         return [pod.name for pod in self.plan.pods] or sorted(self.snapshots)
 
+    async def kv_events(self) -> bool:
+        """Whether ``lig kv-events`` follows every simulated pod (its ``lig_kv_events_pods``
+        gauge; real pods' events are optional, so for them its metrics answering is enough)."""
+        url = f"http://{LOOPBACK}:{self.plan.ports.kv_events_metrics}/metrics"
+        try:
+            response = await self.client.get(url)
+        except httpx.HTTPError:
+            return False
+        if not response.is_success:
+            return False
+        return _gauge(response.text, PODS_GAUGE) >= len(self.plan.pods)
+
     async def envoy(self) -> bool:
         return await http_ok(self.client, f"http://{LOOPBACK}:{self.plan.ports.envoy_admin}/ready")
 
@@ -106,11 +120,22 @@ def _checks(stack: _Stack) -> list[Check]:
         checks.append(Check("simulated pods", stack.pods, plan.sim_name(plan.sims[0])))
     checks += [Check("registry", stack.registry, "registry"),
                Check("first snapshots", stack.snapshots_arrived, "collector")]
+    if plan.kv_events:
+        checks.append(Check("kv-events", stack.kv_events, "kv-events"))
     for i, picker in enumerate(plan.ports.pickers):
         checks.append(Check(f"picker-{i}", partial_grpc(f"{LOOPBACK}:{picker.health}"),
                             f"picker-{i}"))
     checks += [Check("envoy", stack.envoy, "envoy"), Check("gateway", stack.gateway, "envoy")]
     return checks
+
+
+def _gauge(page: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` on a Prometheus page (0 if absent)."""
+    for line in page.splitlines():
+        if line.startswith(name + " "):
+            with contextlib.suppress(ValueError):
+                return float(line.split()[1])
+    return 0.0
 
 
 def partial_grpc(target: str) -> Callable[[], Awaitable[bool]]:

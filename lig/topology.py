@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 import msgspec
@@ -43,6 +43,10 @@ PICKER_HEALTH_PORT = ports.PICKER_HEALTH
 PICKER_METRICS_PORT = ports.PICKER_METRICS
 COLLECTOR_METRICS_PORT = ports.COLLECTOR_METRICS
 REGISTRY_METRICS_PORT = ports.REGISTRY_METRICS
+KV_EVENTS_METRICS_PORT = ports.KV_EVENTS_METRICS
+# Where a simulated pod's KV-event sockets are, relative to the port it serves on.
+KV_EVENTS_OFFSET = ports.SIMULATOR_KV_EVENTS_BASE - ports.SIMULATOR_BASE
+KV_REPLAY_OFFSET = ports.SIMULATOR_KV_REPLAY_BASE - ports.SIMULATOR_BASE
 PICKER_PORT_STRIDE = 100
 
 
@@ -55,7 +59,12 @@ class PickerPorts(msgspec.Struct, frozen=True):
 
 
 class Ports(msgspec.Struct, frozen=True):
-    """Every port the local stack listens on (all on 127.0.0.1)."""
+    """Every port the local stack listens on (all on 127.0.0.1).
+
+    A simulated pod serving on port ``p`` publishes its KV-cache events on
+    ``p + kv_events_offset`` and answers replays on ``p + kv_replay_offset`` (offsets, as
+    ``lig kv-events --events-port +N`` takes them, because one process hosts many pods).
+    """
 
     gateway: int
     envoy_admin: int
@@ -64,10 +73,17 @@ class Ports(msgspec.Struct, frozen=True):
     collector_metrics: int
     sim_base: int
     pickers: tuple[PickerPorts, ...]
+    kv_events_metrics: int = KV_EVENTS_METRICS_PORT
+    kv_events_offset: int = KV_EVENTS_OFFSET
+    kv_replay_offset: int = KV_REPLAY_OFFSET
 
     def sim_ports(self, pods: int) -> list[int]:
         """The consecutive ports of ``pods`` simulated pods."""
         return list(range(self.sim_base, self.sim_base + pods))
+
+    def kv_event_ports(self, pod_port: int) -> tuple[int, int]:
+        """The KV-event PUB and replay ports of the simulated pod serving on ``pod_port``."""
+        return pod_port + self.kv_events_offset, pod_port + self.kv_replay_offset
 
 
 def default_ports(pickers: int, gateway: int = DEFAULT_GATEWAY_PORT) -> Ports:
@@ -101,36 +117,55 @@ def _held_port(port: int = 0) -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def free_ports(pickers: int, pods: int, gateway: int = DEFAULT_GATEWAY_PORT) -> Ports:
-    """A layout of ports that are free right now (the simulated pods' ports consecutive)."""
+def free_ports(pickers: int, pods: int, gateway: int = DEFAULT_GATEWAY_PORT,
+               other_pods: Sequence[int] = ()) -> Ports:
+    """A layout of ports that are free right now (the simulated pods' ports consecutive).
+
+    The KV-event offsets put the event and replay sockets of every simulated pod on free ports:
+    the ``pods`` allocated here and those serving on ``other_pods`` (pools whose configuration
+    lists their ports)."""
     with ExitStack() as held:
         def take() -> int:
             return held.enter_context(_held_port())
 
         sim_base = _free_range(pods, held)
+        simulated = [*range(sim_base, sim_base + pods), *other_pods]
+        for port in other_pods:  # so that no offset lands on a pod's own port
+            with suppress(OSError):  # busy: `lig up` names it (ports_in_use) before starting
+                held.enter_context(_held_port(port))
+        events = _free_offset(simulated, held) if simulated else KV_EVENTS_OFFSET
+        replay = _free_offset(simulated, held) if simulated else KV_REPLAY_OFFSET
         return Ports(
             gateway=gateway, envoy_admin=take(), nats=take(), registry_metrics=take(),
             collector_metrics=take(), sim_base=sim_base,
             pickers=tuple(PickerPorts(take(), take(), take()) for _ in range(pickers)),
+            kv_events_metrics=take(), kv_events_offset=events, kv_replay_offset=replay,
         )
 
 
 def _free_range(count: int, held: ExitStack) -> int:
     """The first of ``count`` consecutive free ports, held in ``held``."""
+    return _free_offset(list(range(count)), held)
+
+
+def _free_offset(ports: list[int], held: ExitStack) -> int:
+    """An offset that moves every one of ``ports`` onto a free port (all held in ``held``)."""
+    first = min(ports, default=0)
     for _ in range(200):
         with _held_port() as base:
             pass
-        if base + count > 65535:
+        offset = base - first
+        if max(ports, default=0) + offset > 65535:
             continue
         try:
             with ExitStack() as trial:
-                for port in range(base, base + count):
-                    trial.enter_context(_held_port(port))
+                for port in ports:
+                    trial.enter_context(_held_port(port + offset))
                 held.enter_context(trial.pop_all())
-                return base
+                return offset
         except OSError:
             continue
-    raise RuntimeError(f"found no {count} consecutive free ports")
+    raise RuntimeError(f"found no {len(ports)} free ports in the layout {ports}")
 
 
 def ports_in_use(ports: list[int]) -> list[int]:
@@ -153,6 +188,8 @@ class StackPlan(msgspec.Struct, frozen=True):
     ``--pool`` flags (empty: they serve every pool of the registry, so pools added to the
     configuration while it runs are served too). ``sims`` are the simulated pools, one
     ``lig sim`` process each, and ``pods`` all their pods (empty when real servers serve).
+    With ``kv_events`` the simulated pods publish KV-cache events and one ``lig kv-events``
+    (given ``kv_events_args`` last) republishes them on NATS.
     """
 
     state_dir: str
@@ -168,6 +205,8 @@ class StackPlan(msgspec.Struct, frozen=True):
     picker_pools: list[str] = []
     sims: list[SimulatedPool] = []
     sim_args: list[str] = []
+    kv_events: bool = True
+    kv_events_args: list[str] = []
     prefix: str = "lig"
     log_level: str = "INFO"
 
@@ -193,7 +232,8 @@ class StackPlan(msgspec.Struct, frozen=True):
             specs.append(ChildSpec(self.sim_name(sim), self.lig(
                 "sim", "--pods", str(len(sim.pods)), "--host", LOOPBACK,
                 "--base-port", str(sim.pods[0].port), "--model", sim.model,
-                *lora_flags, "--log-level", self.log_level, *self.sim_args,
+                *lora_flags, *self.sim_kv_events_flags(sim.pods[0].port),
+                "--log-level", self.log_level, *self.sim_args,
             )))
         override = (["--endpoints-override", self.registry_endpoints_override]
                     if self.registry_endpoints_override else [])
@@ -205,6 +245,14 @@ class StackPlan(msgspec.Struct, frozen=True):
             "collector", "--host", LOOPBACK,
             "--metrics-port", str(self.ports.collector_metrics), *self.nats_flags(),
         )))
+        if self.kv_events:
+            specs.append(ChildSpec("kv-events", self.lig(
+                "kv-events", "--host", LOOPBACK,
+                "--metrics-port", str(self.ports.kv_events_metrics),
+                "--events-port", f"{self.ports.kv_events_offset:+d}",
+                "--replay-port", f"{self.ports.kv_replay_offset:+d}",
+                *self.nats_flags(), *self.kv_events_args,
+            )))
         for i, picker in enumerate(self.ports.pickers):
             specs.append(ChildSpec(f"picker-{i}", self.lig(
                 "picker", *[flag for pool in self.picker_pools for flag in ("--pool", pool)],
@@ -217,6 +265,23 @@ class StackPlan(msgspec.Struct, frozen=True):
             "--disable-hot-restart", "--log-level", "warning",
         ]))
         return [ChildSpec(s.name, s.argv, {"PYTHONUNBUFFERED": "1"}) for s in specs]
+
+    def sim_kv_events_flags(self, base_port: int) -> list[str]:
+        """The ``lig sim`` flags that make pods from ``base_port`` on publish KV-cache events
+        where ``lig kv-events`` looks for them (none without ``kv_events``)."""
+        if not self.kv_events:
+            return []
+        events, replay = self.ports.kv_event_ports(base_port)
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
+        return ["--kv-events-config", msgspec.json.encode(config).decode()]
+
+    def kv_event_ports(self) -> list[int]:
+        """The KV-event PUB and replay ports of every simulated pod (none without
+        ``kv_events``)."""
+        if not self.kv_events:
+            return []
+        return [port for pod in self.pods for port in self.ports.kv_event_ports(pod.port)]
 
     def sim_name(self, sim: SimulatedPool) -> str:
         """The child name of ``sim``'s process: ``sim``, or ``sim-<pool>`` when there are

@@ -1,7 +1,8 @@
 """``lig up``: the whole stack on this machine, as child processes, until Ctrl-C.
 
 NATS with JetStream (unless ``--nats-url`` names one), simulated vLLM pods (unless ``--config``
-names real ones), the registry, one collector, ``--pickers`` pickers and Envoy in front of them.
+names real ones) publishing their KV-cache events, the registry, one collector, one
+``lig kv-events`` (unless ``--no-kv-events``), ``--pickers`` pickers and Envoy in front of them.
 Wiring only: what runs where is :mod:`lig.topology`, the registry configuration
 :mod:`lig.stack_config`, process handling :mod:`lig.supervisor`, readiness :mod:`lig.readiness`.
 """
@@ -27,6 +28,8 @@ from lig.topology import (
     DEFAULT_GATEWAY_PORT,
     DEFAULT_STATE_DIR,
     EXAMPLE_CONFIG,
+    KV_EVENTS_OFFSET,
+    KV_REPLAY_OFFSET,
     LOOPBACK,
     STACK_FILE,
     Ports,
@@ -56,6 +59,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-args", default="", metavar="ARGS",
                         help="more flags for `lig sim`, in one string (e.g. --sim-args="
                              "'--time-scale 10 --max-num-seqs 8'); see `lig sim --help`")
+    parser.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                        help="simulated pods publish their KV-cache events (a pod serving on "
+                             f"port P on P - {-KV_EVENTS_OFFSET}, replays on P - "
+                             f"{-KV_REPLAY_OFFSET}; with --free-ports other free offsets) and "
+                             "one `lig kv-events` republishes them on NATS as "
+                             "<prefix>.kvblocks.<pool>.<pod>; --no-kv-events runs neither")
+    parser.add_argument("--kv-events-args", default="", metavar="ARGS",
+                        help="more flags for `lig kv-events`, in one string (e.g. "
+                             "--kv-events-args='--events-port 5557 --replay-port 5558' for real "
+                             "vLLM servers of --config); see `lig kv-events --help`")
     parser.add_argument("--config", type=Path, default=None, metavar="DIR",
                         help="your own registry configuration (pools listing their model "
                              "servers), every pool served at one address; pools annotated "
@@ -72,8 +85,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="port Envoy listens on for client requests")
     parser.add_argument("--free-ports", action="store_true",
                         help="run the internal services on any free ports instead of their "
-                             "defaults (NATS 4222, pods 8000+, pickers 9002/9003/9090 + 100 per "
-                             "replica, collector 9091, registry 9092, Envoy admin 9901)")
+                             "defaults (NATS 4222, pods 8000+ with KV events on 7000+ and "
+                             "replays on 7500+, pickers 9002/9003/9090 + 100 per replica, "
+                             "collector 9091, registry 9092, kv-events 9093, Envoy admin 9901)")
     parser.add_argument("--response-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="Envoy answers 504 (upstream_timeout) when a model server sends "
                              "nothing for this long: no response start (a hung pod) or a "
@@ -120,8 +134,10 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     registry = stack_config.load_config(config_path)
     pools = stack_config.choose_pools(registry, args.pool)
     pool = pools[0]
-    ports = (free_ports(args.pickers, args.pods if simulate else 0, args.port) if args.free_ports
-             else default_ports(args.pickers, args.port))
+    configured = [] if simulate else stack_config.simulated_pools(config_path, registry, pools)
+    ports = (free_ports(args.pickers, args.pods if simulate else 0, args.port,
+                        [pod.port for sim in configured for pod in sim.pods])
+             if args.free_ports else default_ports(args.pickers, args.port))
     state_dir.mkdir(parents=True, exist_ok=True)
 
     override = None
@@ -134,7 +150,7 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
         sims = [stack_config.SimulatedPool(
             pool, BASE_MODEL, stack_config.simulated_adapters(registry, pool, BASE_MODEL), pods)]
     else:
-        sims = stack_config.simulated_pools(config_path, registry, pools)
+        sims = configured
         for name in pools:
             if not stack_config.pool_endpoints(registry, name):
                 raise stack_config.ConfigError(
@@ -150,8 +166,17 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
         registry_endpoints_override=override, envoy_config=str(envoy_config),
         pods=[pod for sim in sims for pod in sim.pods], pools=pools,
         picker_pools=args.pool or [], sims=sims,
-        sim_args=shlex.split(args.sim_args), prefix=args.prefix, log_level=args.log_level,
+        sim_args=shlex.split(args.sim_args), kv_events=args.kv_events,
+        kv_events_args=shlex.split(args.kv_events_args), prefix=args.prefix,
+        log_level=args.log_level,
     )
+    outside = [port for port in plan.kv_event_ports() if not 0 < port <= 65535]
+    if outside:
+        raise stack_config.ConfigError(
+            f"the simulated pods' KV-event ports would be {', '.join(map(str, outside))}, "
+            "outside 1..65535 (their serving port "
+            f"{ports.kv_events_offset:+d} and {ports.kv_replay_offset:+d}); move the pods or "
+            "run with --no-kv-events")
     # Loopback only: the stack has no authentication, so it is not offered to the network.
     envoy_config.write_text(render_envoy_config(
         listener_port=ports.gateway, admin_port=ports.envoy_admin, listener_host=LOOPBACK,
@@ -166,7 +191,9 @@ def planned_ports(plan: StackPlan) -> list[int]:
     ports: Ports = plan.ports
     listed = [ports.gateway, ports.envoy_admin, ports.registry_metrics, ports.collector_metrics,
               *(port for p in ports.pickers for port in (p.grpc, p.health, p.metrics)),
-              *(pod.port for pod in plan.pods)]
+              *(pod.port for pod in plan.pods), *plan.kv_event_ports()]
+    if plan.kv_events:
+        listed.append(ports.kv_events_metrics)
     return [ports.nats, *listed] if plan.embedded_nats else listed
 
 
@@ -233,6 +260,12 @@ def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed
                              f"metrics :{ports.registry_metrics})", pids.get("registry")))
     rows.append(("collector", f"scrapes every pod of {', '.join(plan.pools)}  (metrics :"
                               f"{ports.collector_metrics})", pids.get("collector")))
+    if plan.kv_events:
+        rows.append(("kv-events", f"each pod's KV-cache events (its port "
+                                  f"{ports.kv_events_offset:+d}, replay "
+                                  f"{ports.kv_replay_offset:+d}) -> {plan.prefix}.kvblocks.>  "
+                                  f"(metrics :{ports.kv_events_metrics})",
+                     pids.get("kv-events")))
     for i, picker in enumerate(ports.pickers):
         rows.append((f"picker-{i}", f"ext_proc :{picker.grpc}, health :{picker.health}, "
                                     f"metrics :{picker.metrics}", pids.get(f"picker-{i}")))

@@ -127,7 +127,8 @@ def _plan_args(state_dir: Path, pods: int, pickers: int, sim_args: str,
 
 
 def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan) -> list[ChildSpec]:
-    """``lig up``'s children with its one ``sim`` process split into one process per pod."""
+    """``lig up``'s children with its one ``sim`` process split into one process per pod (each
+    publishing its KV-cache events on its own pod's ports)."""
     split: list[ChildSpec] = []
     for spec in specs:
         if spec.name != "sim":
@@ -137,6 +138,9 @@ def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan) -> list[ChildSpec]
             argv = list(spec.argv)
             argv[argv.index("--pods") + 1] = "1"
             argv[argv.index("--base-port") + 1] = str(pod.port)
+            events = plan.sim_kv_events_flags(pod.port)
+            if events:
+                argv[argv.index(events[0]) + 1] = events[1]
             split.append(ChildSpec(f"sim-{index}", argv, spec.env))
     return split
 

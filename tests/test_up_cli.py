@@ -132,7 +132,8 @@ def test_own_config_and_existing_nats_then_a_dead_picker_ends_the_stack(
                 break
         output = "\n".join(lines)
         assert any(line.startswith("lig up: ready") for line in lines), output
-        assert lines[0].startswith("lig up: starting registry, collector, picker-0, envoy"), \
+        assert lines[0].startswith(
+            "lig up: starting registry, collector, kv-events, picker-0, envoy"), \
             output  # no nats, no sim
         info = StackInfo.read(tmp_path / "state")
         assert info is not None and info.nats_url == nats_server.url and info.pool == "my-fleet"

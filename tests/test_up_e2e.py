@@ -281,10 +281,12 @@ def test_pickers_share_decisions_by_default(stack: RunningStack) -> None:
 def test_sigterm_stops_every_child_and_frees_every_port(stack: RunningStack) -> None:
     info = stack.info
     pids = stack.child_pids()
-    assert len(pids) == 7, stack.output()  # nats, sim, registry, collector, 2 pickers, envoy
+    # nats, sim, registry, collector, kv-events, 2 pickers, envoy
+    assert len(pids) == 8, stack.output()
     ports = info.ports
-    # gateway, Envoy admin, NATS, registry and collector metrics, 4 pods, 2 pickers x 3
-    assert len(ports) == 5 + 4 + 2 * 3
+    # gateway, Envoy admin, NATS, registry, collector and kv-events metrics, 4 pods with their
+    # KV-event and replay sockets, 2 pickers x 3
+    assert len(ports) == 6 + 4 * 3 + 2 * 3
     assert all(_pid_alive(pid) for pid in pids)
 
     started = time.monotonic()

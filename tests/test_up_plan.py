@@ -13,13 +13,18 @@ from lig.topology import (
     BASE_MODEL,
     EXAMPLE_CONFIG,
     LOOPBACK,
+    StackPlan,
     default_ports,
     free_ports,
     ports_in_use,
 )
+from resilience.stack import _one_sim_per_pod
+from services.kvevents.main import KVEventsSettings
 from services.registry.loader import InvalidRegistry
 from services.registry.overrides import apply_override, read_override
 from shared.schemas import Endpoint
+from simulator.kv_events import bind_address, parse_config
+from tests.support.cli import parse_command
 
 
 def up_args(*argv: str) -> argparse.Namespace:
@@ -33,8 +38,9 @@ def test_free_ports_are_distinct_bindable_and_the_pods_consecutive() -> None:
     listed = [ports.envoy_admin, ports.nats, ports.registry_metrics, ports.collector_metrics,
               *(p for picker in ports.pickers for p in (picker.grpc, picker.health,
                                                         picker.metrics)),
-              *ports.sim_ports(5)]
-    assert len(set(listed)) == len(listed) == 4 + 9 + 5
+              *ports.sim_ports(5), ports.kv_events_metrics,
+              *(p for pod in ports.sim_ports(5) for p in ports.kv_event_ports(pod))]
+    assert len(set(listed)) == len(listed) == 4 + 9 + 5 + 1 + 2 * 5
     assert ports.sim_ports(5) == list(range(ports.sim_base, ports.sim_base + 5))
     assert ports.gateway == 18081
     assert ports_in_use(listed) == []
@@ -53,6 +59,9 @@ def test_default_ports_shift_each_picker_by_100() -> None:
     assert [(p.grpc, p.health, p.metrics) for p in ports.pickers] == [
         (9002, 9003, 9090), (9102, 9103, 9190)]
     assert (ports.gateway, ports.nats, ports.sim_base) == (8081, 4222, 8000)
+    assert ports.kv_events_metrics == 9093
+    assert [ports.kv_event_ports(port) for port in ports.sim_ports(2)] == [(7000, 7500),
+                                                                          (7001, 7501)]
 
 
 def test_the_example_is_served_by_the_base_model_and_three_adapters() -> None:
@@ -162,3 +171,105 @@ def test_a_simulated_pool_needs_consecutive_loopback_ports(tmp_path: Path) -> No
     (config / "pools.yaml").write_text(text)
     with pytest.raises(stack_config.ConfigError, match="not consecutive ports"):
         up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
+
+
+def kv_events_of(plan: StackPlan) -> KVEventsSettings:
+    [child] = [child for child in plan.children() if child.name == "kv-events"]
+    assert child.argv[1:3] == ["-m", "lig.cli"]
+    command, settings = parse_command(child.argv[3:])
+    assert command == "kv-events"
+    return settings
+
+
+def published_ports(plan: StackPlan) -> dict[int, tuple[int, int | None]]:
+    """Each simulated pod's serving port -> the PUB and replay ports its `lig sim` binds."""
+    found = {}
+    for sim in plan.sims:
+        [child] = [child for child in plan.children() if child.name == plan.sim_name(sim)]
+        argv = child.argv
+        config = parse_config(argv[argv.index("--kv-events-config") + 1])
+        assert config.enabled
+        for index, pod in enumerate(sim.pods):
+            replay = None if config.replay_endpoint is None else int(
+                bind_address(config.replay_endpoint, LOOPBACK, index).rsplit(":", 1)[1])
+            found[pod.port] = (int(bind_address(config.endpoint, LOOPBACK, index)
+                                   .rsplit(":", 1)[1]), replay)
+    return found
+
+
+@pytest.mark.parametrize("config", [None, TWO_POOLS], ids=["example", "two-pools"])
+@pytest.mark.parametrize("free", [False, True], ids=["default-ports", "free-ports"])
+def test_kv_events_finds_every_simulated_pod_where_it_publishes(
+        tmp_path: Path, config: Path | None, free: bool) -> None:
+    argv = ["--state-dir", str(tmp_path), *(["--free-ports"] if free else []),
+            *(["--config", str(config)] if config else [])]
+    plan, _ = up.make_plan(up_args(*argv))
+    settings = kv_events_of(plan)
+    published = published_ports(plan)
+    assert sorted(published) == sorted(pod.port for pod in plan.pods)
+    for pod in plan.pods:
+        assert settings.replay is not None
+        assert (settings.events.port_for(pod.port), settings.replay.port_for(pod.port)) == \
+            published[pod.port], pod
+    assert settings.nats.url == plan.nats_url and settings.metrics_port == \
+        plan.ports.kv_events_metrics and settings.host == LOOPBACK
+    # Every event socket and the bridge's metrics are planned ports (checked free before
+    # starting, listed in stack.json), each distinct from every other port.
+    planned = up.planned_ports(plan)
+    sockets = [port for pair in published.values() for port in pair if port is not None]
+    assert len(set(planned)) == len(planned)
+    assert set(sockets) | {plan.ports.kv_events_metrics} <= set(planned)
+    if free:
+        assert ports_in_use(planned) == []
+
+
+def test_kv_events_are_off_with_no_kv_events(tmp_path: Path) -> None:
+    plan, _ = up.make_plan(up_args("--no-kv-events", "--state-dir", str(tmp_path)))
+    names = [child.name for child in plan.children()]
+    assert "kv-events" not in names and "sim" in names
+    assert not any("--kv-events-config" in child.argv for child in plan.children())
+    assert plan.kv_event_ports() == []
+    assert plan.ports.kv_events_metrics not in up.planned_ports(plan)
+    on, _ = up.make_plan(up_args("--state-dir", str(tmp_path)))
+    assert set(up.planned_ports(on)) - set(up.planned_ports(plan)) == {
+        9093, 7000, 7001, 7002, 7003, 7500, 7501, 7502, 7503}
+
+
+def test_kv_events_args_come_last_and_win(tmp_path: Path) -> None:
+    plan, _ = up.make_plan(up_args(
+        "--state-dir", str(tmp_path),
+        "--kv-events-args", "--events-port 5557 --replay-port none --dp-ranks 2"))
+    settings = kv_events_of(plan)
+    assert (str(settings.events), settings.replay, settings.dp_ranks) == ("5557", None, 2)
+
+
+def test_event_ports_outside_the_port_range_are_refused_before_starting(
+        tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir()
+    text = (TWO_POOLS / "pools.yaml").read_text()
+    for old, new in (("port: 8000", "port: 600"), ("port: 8001", "port: 601")):
+        text = text.replace(old, new)
+    (config / "pools.yaml").write_text(text)
+    with pytest.raises(stack_config.ConfigError, match=r"outside 1\.\.65535.*--no-kv-events"):
+        up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
+    plan, _ = up.make_plan(up_args("--config", str(config), "--no-kv-events",
+                                   "--state-dir", str(tmp_path / "s")))
+    assert [pod.port for pod in plan.pods] == [600, 601, 8010, 8011]
+
+
+def test_the_chaos_tools_one_sim_per_pod_publish_on_their_own_pods_ports(
+        tmp_path: Path) -> None:
+    plan, _ = up.make_plan(up_args("--free-ports", "--pods", "3",
+                                   "--state-dir", str(tmp_path)))
+    split = [spec for spec in _one_sim_per_pod(plan.children(), plan)
+             if spec.name.startswith("sim-")]
+    settings = kv_events_of(plan)
+    assert len(split) == 3
+    for spec, pod in zip(split, plan.pods, strict=True):
+        config = parse_config(spec.argv[spec.argv.index("--kv-events-config") + 1])
+        assert config.replay_endpoint is not None and settings.replay is not None
+        assert bind_address(config.endpoint, LOOPBACK, 0) == \
+            f"tcp://{LOOPBACK}:{settings.events.port_for(pod.port)}"
+        assert bind_address(config.replay_endpoint, LOOPBACK, 0) == \
+            f"tcp://{LOOPBACK}:{settings.replay.port_for(pod.port)}"

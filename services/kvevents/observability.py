@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+PODS_GAUGE = "lig_kv_events_pods"  # also read by `lig up`'s readiness check
+
 
 class KVEventsMetrics:
     """This service's counters, in their own Prometheus registry."""
@@ -22,4 +24,4 @@ class KVEventsMetrics:
                                "beyond what replay could recover", registry=r)
         self.publish_errors = Counter("lig_kv_events_publish_errors", "Block-change messages "
                                       "that NATS did not take", registry=r)
-        self.pods = Gauge("lig_kv_events_pods", "Pods subscribed to", registry=r)
+        self.pods = Gauge(PODS_GAUGE, "Pods subscribed to", registry=r)
