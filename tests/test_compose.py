@@ -25,6 +25,11 @@ import yaml
 from jsonschema import Draft202012Validator
 
 from lig import stack_config, up
+from services.kvevents.targets import pods_from_view
+from services.registry.loader import Registry
+from services.registry.publisher import desired_entries
+from shared.registry_view import RegistryView
+from simulator.kv_events import bind_address, parse_config
 from lig.topology import (
     BASE_MODEL,
     DEFAULT_GATEWAY_PORT,
@@ -96,7 +101,7 @@ def test_the_schema_check_catches_mistakes() -> None:
 
 def test_every_project_service_runs_a_lig_command_that_parses() -> None:
     services = project_services()
-    assert set(services) == {"sim", "registry", "collector", "picker"}
+    assert set(services) == {"sim", "registry", "collector", "kv-events", "picker"}
     for name, spec in services.items():
         command, _ = parse_command(spec["command"], spec.get("environment"))
         assert command == name
@@ -124,9 +129,13 @@ def test_services_use_the_ports_and_pool_of_lig_up(up_plan: StackPlan) -> None:
         up_picker.pools, up_picker.grpc_port, up_picker.health_port, up_picker.metrics_port)
     assert parsed("collector").metrics_port == up_child(up_plan, "collector").metrics_port
     assert parsed("registry").metrics_port == up_child(up_plan, "registry").metrics_port
+    kv_events, up_kv_events = parsed("kv-events"), up_child(up_plan, "kv-events")
+    assert (kv_events.events, kv_events.replay, kv_events.metrics_port) == (
+        up_kv_events.events, up_kv_events.replay, up_kv_events.metrics_port)
     sim, up_sim = parsed("sim"), up_child(up_plan, "sim")
     assert (sim.pods, sim.base_port, sim.model, sim.lora) == (
         up_sim.pods, up_sim.base_port, up_sim.model, up_sim.lora)
+    assert parse_config(sim.kv_events_config) == parse_config(up_sim.kv_events_config)
     assert sim.model == BASE_MODEL
     assert sim.host == "0.0.0.0"  # reachable from the other containers
 
@@ -151,6 +160,7 @@ def test_healthchecks_probe_the_ports_the_services_listen_on() -> None:
     assert SERVICES["picker"]["healthcheck"]["test"][-1] == "readiness"
     assert _probe_ports("registry") == [parsed("registry").metrics_port]
     assert _probe_ports("collector") == [parsed("collector").metrics_port]
+    assert _probe_ports("kv-events") == [parsed("kv-events").metrics_port]
     sim = parsed("sim")
     assert _probe_ports("sim") == list(range(sim.base_port, sim.base_port + sim.pods))
     assert f"/dev/tcp/127.0.0.1/{ENVOY_ADMIN_PORT}" in SERVICES["envoy"]["healthcheck"]["test"][-1]
@@ -164,6 +174,30 @@ def test_depends_on_waits_for_healthchecks_that_exist() -> None:
                 assert "healthcheck" in SERVICES[dependency], f"{dependency} has no healthcheck"
     assert set(SERVICES["envoy"]["depends_on"]) == {"picker"}
     assert {"nats", "registry", "collector"} <= set(SERVICES["picker"]["depends_on"])
+
+
+def test_kv_events_follows_every_registry_pod_where_the_simulator_publishes() -> None:
+    config = stack_config.load_config(_volume("registry", parsed("registry").paths[0]))
+    endpoints = stack_config.pool_endpoints(config, stack_config.choose_pool(config, None))
+    sim, kv_events = parsed("sim"), parsed("kv-events")
+    events = parse_config(sim.kv_events_config)
+    assert events.enabled and events.replay_endpoint is not None and kv_events.replay
+    host = SERVICES["sim"]["networks"]["default"]["ipv4_address"]
+    followed = pods_from_view(_view_of(config), kv_events.events, kv_events.replay)
+    published = {
+        endpoint.name: (bind_address(events.endpoint, host, endpoint.port - sim.base_port),
+                        bind_address(events.replay_endpoint, host, endpoint.port - sim.base_port))
+        for endpoint in endpoints}
+    assert {pod.pod: (pod.events, pod.replay) for pod in followed.values()} == published
+    assert {"nats", "registry"} <= set(SERVICES["kv-events"]["depends_on"])
+
+
+def _view_of(config: Registry) -> RegistryView:
+    """What a service watching the registry bucket sees once ``config`` is published."""
+    view = RegistryView()
+    for key, value in desired_entries(config).items():
+        view.apply(key, value)
+    return view
 
 
 def _volume(service: str, target: str) -> Path:
