@@ -25,11 +25,6 @@ import yaml
 from jsonschema import Draft202012Validator
 
 from lig import stack_config, up
-from services.kvevents.targets import pods_from_view
-from services.registry.loader import Registry
-from services.registry.publisher import desired_entries
-from shared.registry_view import RegistryView
-from simulator.kv_events import bind_address, parse_config
 from lig.topology import (
     BASE_MODEL,
     DEFAULT_GATEWAY_PORT,
@@ -37,6 +32,11 @@ from lig.topology import (
     EXAMPLE_CONFIG,
     StackPlan,
 )
+from services.kvevents.targets import pods_from_view
+from services.registry.loader import Registry
+from services.registry.publisher import desired_entries
+from shared.registry_view import RegistryView
+from simulator.kv_events import bind_address, parse_config
 from tests.support.cli import lig_parser, parse_command
 
 REPO = Path(__file__).resolve().parents[1]

@@ -135,8 +135,16 @@ def test_the_pool_selects_the_simulator_and_names_the_picker() -> None:
     sim = one(docs, "Deployment", "vllm-sim")["spec"]["template"]
     labels = sim["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    sim_ports = [p["containerPort"] for p in sim["spec"]["containers"][0]["ports"]]
+    ports = sim["spec"]["containers"][0]["ports"]
+    sim_ports = [p["containerPort"] for p in ports if not p.get("name", "").startswith("kv-")]
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == sim_ports
+    # kv-events finds each target port's event and replay sockets on the pod itself.
+    kv_events = one(docs, "Deployment", "kv-events")["spec"]["template"]["spec"]["containers"][0]
+    _, settings = parse_command(kv_events["args"])
+    named = {p["containerPort"]: p.get("name") for p in ports}
+    for index, target in enumerate(pool["spec"]["targetPorts"]):
+        assert named[settings.events.port_for(target["number"])] == f"kv-events-{index}"
+        assert named[settings.replay.port_for(target["number"])] == f"kv-replay-{index}"
     picker_ref = pool["spec"]["endpointPickerRef"]
     service = one(docs, "Service", picker_ref["name"])
     assert picker_ref["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]

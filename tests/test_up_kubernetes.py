@@ -16,7 +16,11 @@ from lig.nats_config import write_config
 from lig.nats_permissions import SERVICES
 from lig.server_binaries import server_binary
 from lig.topology import DEFAULT_GATEWAY_PORT, EXAMPLE_CONFIG
+from services.kvevents.targets import pods_from_view
+from services.registry.publisher import desired_entries
+from shared.registry_view import RegistryView
 from shared.subjects import Subjects
+from simulator.kv_events import bind_address, parse_config
 from tests.support.certs import make_certificates
 from tests.support.cli import lig_parser, parse_command
 
@@ -76,7 +80,7 @@ def test_every_project_container_runs_a_lig_command_that_parses() -> None:
     workloads = {d["metadata"]["name"] for d in DOCUMENTS
                  if d["kind"] in ("Deployment", "StatefulSet")
                  and container(d["metadata"]["name"])["image"] == PROJECT_IMAGE}
-    assert workloads == {"registry", "collector", "picker", "vllm-sim"}
+    assert workloads == {"registry", "collector", "kv-events", "picker", "vllm-sim"}
     for name in workloads:
         spec = container(name)
         command, _ = parse_command(spec["args"], environment(spec))
@@ -170,14 +174,36 @@ def test_registry_configmap_is_the_example_pointing_at_the_simulator_service(
     sim_ports = list(range(sim.base_port, sim.base_port + sim.pods))
     assert [e.hostport for e in stack_config.pool_endpoints(config, pool)] == [
         f"{service['clusterIP']}:{port}" for port in sim_ports]
-    assert [(p["port"], p["targetPort"]) for p in service["ports"]] == [(p, p) for p in sim_ports]
+    assert [(p["port"], p["targetPort"]) for p in service["ports"]
+            if p["name"].startswith("pod-")] == [(p, p) for p in sim_ports]
     assert sorted(sim.lora) == stack_config.simulated_adapters(config, pool, sim.model)
+
+    # kv-events reaches each pod's event and replay sockets through the same Service.
+    kv_events = parsed("kv-events")
+    events = parse_config(sim.kv_events_config)
+    assert events.enabled and events.replay_endpoint is not None and kv_events.replay
+    view = RegistryView()
+    for key, value in desired_entries(config).items():
+        view.apply(key, value)
+    forwarded = {p["port"]: p["targetPort"] for p in service["ports"]}
+    exposed = {p["containerPort"] for p in container("vllm-sim")["ports"]}
+    followed = pods_from_view(view, kv_events.events, kv_events.replay)
+    assert len(followed) == sim.pods
+    for pod in followed.values():
+        index = int(pod.address.rsplit(":", 1)[1]) - sim.base_port
+        for target, endpoint in ((pod.events, events.endpoint),
+                                 (pod.replay, events.replay_endpoint)):
+            assert target is not None
+            address, port = target.removeprefix("tcp://").rsplit(":", 1)
+            assert address == service["clusterIP"]
+            bound = int(bind_address(endpoint, sim.host, index).rsplit(":", 1)[1])
+            assert forwarded.get(int(port)) == bound and bound in exposed, (pod, forwarded)
 
 
 def test_nats_url_names_the_nats_service() -> None:
     service = find("Service", "nats")["spec"]
     client_port = next(p["port"] for p in service["ports"] if p["name"] == "client")
-    for name in ("registry", "collector", "picker"):
+    for name in ("registry", "collector", "kv-events", "picker"):
         assert parsed(name).nats.url == f"nats://nats:{client_port}"
 
 
@@ -256,7 +282,7 @@ def test_services_keep_three_replicas_and_use_their_own_user_over_tls() -> None:
     assert generated["lig-nats-auth"]["files"] == ["nats-secrets/auth.conf"]
     assert sorted(generated["lig-nats-tls"]["files"]) == [
         "nats-secrets/ca.crt", "nats-secrets/tls.crt", "nats-secrets/tls.key"]
-    for name in ("registry", "collector", "picker"):
+    for name in ("registry", "collector", "kv-events", "picker"):
         spec = container(name)
         assert spec["envFrom"] == [{"secretRef": {"name": f"lig-nats-{name}"}}]
         assert generated[f"lig-nats-{name}"]["envs"] == [f"nats-secrets/{name}.env"]
@@ -268,7 +294,8 @@ def test_services_keep_three_replicas_and_use_their_own_user_over_tls() -> None:
         assert volume["secret"] == {"secretName": "lig-nats-tls",
                                     "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     nats_replicas = find("StatefulSet", "nats")["spec"]["replicas"]
-    for name in ("registry", "collector"):  # the services that create JetStream state
+    # The services that create JetStream state.
+    for name in ("registry", "collector", "kv-events"):
         assert parsed(name).nats.replicas == nats_replicas
     # The users the generated env files name are the ones nats-config writes.
-    assert set(SERVICES) >= {"registry", "collector", "picker", "status"}
+    assert set(SERVICES) >= {"registry", "collector", "kv-events", "picker", "status"}
