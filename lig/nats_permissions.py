@@ -7,7 +7,7 @@ What each service may do (``P`` is the subject prefix, ``B`` the registry bucket
 |---|---|---|---|
 | registry | ``$KV.B.>`` (puts, deletes) | replies | creates, updates and reads ``KV_B`` |
 | collector | ``P.metrics.>``, ``P.collectors.>`` | ``P.collectors.*`` | manages ``S``; reads KV |
-| kv-events | ``P.kvblocks.>`` | nothing | manages ``P_KVBLOCKS``; reads ``KV_B`` |
+| kv-events | ``P.kvblocks.>``, ``P.kvevents.>`` | ``P.kvevents.*`` | manages ``P_KVBLOCKS``; KV |
 | picker | ``P.decisions.>`` | ``P.metrics.>``, ``P.kvblocks.>``, ``P.decisions.>`` | ``KV_B`` |
 | status | nothing | ``P.metrics.>``, ``P.kvblocks.>``, ``P.collectors.*`` | reads all three |
 | replay | everything above, under its own prefix only | same | same, on its own bucket/stream |
@@ -104,9 +104,9 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
                    *_read_stream(bucket)]
         subscribe = [subjects.all_collector_heartbeats()]
     elif service == "kv-events":
-        publish = [subjects.all_kv_blocks(), *_manage_stream(subjects.kv_blocks_stream),
-                   *_read_stream(bucket)]
-        subscribe = []
+        publish = [subjects.all_kv_blocks(), f"{subjects.prefix}.kvevents.>",
+                   *_manage_stream(subjects.kv_blocks_stream), *_read_stream(bucket)]
+        subscribe = [subjects.all_kv_events_heartbeats()]
     elif service == "picker":
         publish = [decisions(subjects), *_read_stream(bucket)]
         subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(), decisions(subjects)]

@@ -101,6 +101,14 @@ class Subjects(Struct, frozen=True):
         """Wildcard over every collector's heartbeats."""
         return f"{self.prefix}.collectors.*"
 
+    def kv_events_heartbeat(self, replica_id: str) -> str:
+        """Where a ``lig kv-events`` replica announces itself for pod sharing."""
+        return f"{self.prefix}.kvevents.{escape_token(replica_id)}"
+
+    def all_kv_events_heartbeats(self) -> str:
+        """Wildcard over every ``lig kv-events`` replica's heartbeats."""
+        return f"{self.prefix}.kvevents.*"
+
     def decisions(self, pool: str) -> str:
         """Where the pickers publish the decisions they made for ``pool``."""
         return f"{self.prefix}.decisions.{escape_token(pool)}"

@@ -34,6 +34,7 @@ from tests.support.waiting import eventually
 
 SUBJECTS = Subjects()
 PROMPT = "the quick brown fox jumps over the lazy dog " * 12
+HEARTBEAT_S = 0.2
 
 
 class ChangeLog:
@@ -122,7 +123,8 @@ class EventPods(SimulatedPods):
 def kv_events_process(nats_url: str, pods: EventPods | None, *flags: str,
                       events_port: str | None = None, replay_port: str | None = None,
                       ) -> Iterator[tuple[subprocess.Popen[bytes], int, Any]]:
-    """``lig kv-events`` as a subprocess, its ports relative to the simulated pods' ports."""
+    """``lig kv-events`` as a subprocess, its ports relative to the simulated pods' ports
+    (heartbeats every 0.2 s: it follows its pods 0.2 s after connecting)."""
     metrics_port = free_port()
     if pods is not None:
         events_port = f"{pods.events_base - pods.ports[0]:+d}"
@@ -132,7 +134,7 @@ def kv_events_process(nats_url: str, pods: EventPods | None, *flags: str,
         [sys.executable, "-m", "lig.cli", "kv-events", "--nats-url", nats_url,
          "--events-port", str(events_port), "--replay-port", str(replay_port),
          "--host", "127.0.0.1", "--metrics-port", str(metrics_port), "--replay-timeout", "1",
-         *flags],
+         "--heartbeat", str(HEARTBEAT_S), *flags],
         cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)}, stdout=log,
         stderr=subprocess.STDOUT)
     try:
@@ -461,3 +463,55 @@ async def test_data_parallel_ranks_are_followed_on_their_own_ports(
         for pub in pubs:
             pub.close()
         ctx.term()
+
+
+async def test_replicas_share_the_pods_and_a_dead_ones_pods_keep_their_events(
+    nc: Client, nats_server: Any
+) -> None:
+    """Two bridges share six pods by heartbeats; one is killed (no goodbye): within two
+    heartbeats the other follows its pods too, and their new blocks keep arriving."""
+    names = [f"pod-{i}" for i in range(6)]
+
+    def gauge(metrics_port: int, name: str) -> float:
+        try:
+            return counter(metrics_port, name)
+        except httpx.TransportError:  # its metrics server is not up yet
+            return -1.0
+
+    def pods_of(metrics_port: int) -> float:
+        return gauge(metrics_port, "lig_kv_events_pods")
+
+    with EventPods(len(names), "map") as pods:
+        await register(nc, [(name, pods.ports[i]) for i, name in enumerate(names)])
+        async with change_log(nc) as changes:
+            with kv_events_process(nats_server.url, pods, "--replica-id", "kv-a") as (
+                    _, port_a, log_a), \
+                    kv_events_process(nats_server.url, pods, "--replica-id", "kv-b") as (
+                    process_b, port_b, log_b):
+                await eventually(
+                    lambda: pods_of(port_a) + pods_of(port_b) == len(names)
+                    and gauge(port_a, "lig_kv_events_replicas") == 2
+                    and gauge(port_b, "lig_kv_events_replicas") == 2, within=15,
+                    what=f"the pods shared\n{output(log_a)}\n{output(log_b)}")
+                owned_by_b = pods_of(port_b)
+                assert 0 < owned_by_b < len(names)  # both replicas follow some pods
+                for index in range(len(names)):
+                    await asyncio.to_thread(pods.complete, index, f"before {index} " * 20)
+                await eventually(lambda: all(changes.stored(name) for name in names),
+                                 within=15, what=f"every pod's changes\n{output(log_a)}")
+
+                process_b.kill()  # dead: no goodbye heartbeat
+                killed = time.monotonic()
+                await eventually(lambda: pods_of(port_a) == len(names), within=10,
+                                 what=f"kv-a following every pod\n{output(log_a)}")
+                took = time.monotonic() - killed
+                heard = {name: len(changes.stored(name)) for name in names}
+                for index in range(len(names)):
+                    await asyncio.to_thread(pods.complete, index, f"after {index} " * 20)
+                await eventually(
+                    lambda: all(len(changes.stored(name)) > heard[name] for name in names),
+                    within=15, what=f"every pod's changes after the kill\n{output(log_a)}")
+                assert counter(port_a, "lig_kv_events_replicas") == 1
+                assert not any(c.resync for c in changes.received)  # replays covered all
+    # Expiry after 1.5 heartbeats, checked every eighth: well within a second here.
+    assert took < 5, took

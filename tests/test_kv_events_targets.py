@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvevents.targets import PortSpec, parse_port, pods_from_view
+from services.kvevents.targets import PortSpec, Share, parse_port, pods_from_view
 from shared.registry_view import RegistryView
 from shared.schemas import Endpoint, EndpointSet, InferencePool, encode
 from shared.subjects import endpoints_key, pool_key
@@ -41,7 +41,7 @@ def test_every_rank_of_every_pod_on_the_ports_plus_its_rank() -> None:
 
 def test_shards_split_pods_and_keep_a_pods_ranks_together() -> None:
     registry = view(40)
-    shards = [pods_from_view(registry, PortSpec(5557), None, shard, 3, dp_ranks=2)
+    shards = [pods_from_view(registry, PortSpec(5557), None, Share.static(shard, 3), dp_ranks=2)
               for shard in range(3)]
     owners: dict[str, int] = {}
     for number, pods in enumerate(shards):
@@ -49,3 +49,17 @@ def test_shards_split_pods_and_keep_a_pods_ranks_together() -> None:
             assert owners.setdefault(pod.pod, number) == number
     assert len(owners) == 40 and all(shards)
     assert sum(len(pods) for pods in shards) == 80
+
+
+def test_replicas_named_by_heartbeats_split_pods_and_a_lone_replica_follows_all() -> None:
+    registry = view(30)
+    members = frozenset({"kv-a", "kv-b"})
+    split = [pods_from_view(registry, PortSpec(5557), None, Share(me, members)) for me in members]
+    assert {p.pod for pods in split for p in pods.values()} == {f"pod-{i}" for i in range(30)}
+    assert all(split) and sum(len(pods) for pods in split) == 30
+    assert len(pods_from_view(registry, PortSpec(5557), None, Share("kv-a",
+                                                                     frozenset({"kv-a"})))) == 30
+    # When kv-b leaves, kv-a takes its pods and keeps its own.
+    mine = pods_from_view(registry, PortSpec(5557), None, Share("kv-a", members))
+    alone = pods_from_view(registry, PortSpec(5557), None, Share("kv-a", frozenset()))
+    assert set(mine) < set(alone) and len(alone) == 30

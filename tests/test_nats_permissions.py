@@ -289,6 +289,44 @@ async def test_kv_events_publishes_block_changes_and_records_them_only(
         await picker.close()
 
 
+async def test_kv_events_replicas_hear_each_others_heartbeats_but_not_the_collectors(
+    secured: SecuredNats,
+) -> None:
+    errors: list[str] = []
+    one, other = (await secured.connect("kv-events", errors),
+                  await secured.connect("kv-events", errors))
+    collector = await secured.connect("collector", [])
+    heartbeats: list[str] = []
+    collectors: list[str] = []
+
+    async def keep(msg: Msg) -> None:
+        heartbeats.append(msg.subject)
+
+    async def keep_collectors(msg: Msg) -> None:
+        collectors.append(msg.subject)
+
+    try:
+        await one.subscribe(SUBJECTS.all_kv_events_heartbeats(), cb=keep)
+        await one.flush()
+        await collector.subscribe(SUBJECTS.all_collector_heartbeats(), cb=keep_collectors)
+        await collector.flush()
+        await other.publish(SUBJECTS.kv_events_heartbeat("kv-b"), b"beat")
+        await other.flush()
+        await eventually(lambda: heartbeats == [SUBJECTS.kv_events_heartbeat("kv-b")],
+                         within=5, what="a kv-events replica hears another's heartbeat")
+        # A kv-events replica cannot pose as a collector (it would take scrapes over).
+        await other.publish(SUBJECTS.collector_heartbeat("kv-b"), b"beat")
+        await other.flush()
+        await collector.flush()
+        await asyncio.sleep(0.3)  # a message that did arrive would be handled by now
+        assert collectors == []
+    finally:
+        await one.close()
+        await other.close()
+        await collector.close()
+    assert not [e for e in errors if "kvevents" in e.lower()], errors
+
+
 async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
     secured: SecuredNats,
 ) -> None:

@@ -11,14 +11,12 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
-import socket
 from typing import Annotated
 
 import msgspec
 from nats.aio.client import Client
 
-from services.collector.membership import Membership
+from services.collector.membership import HeartbeatSubjects, Membership, default_member_id
 from services.collector.observability import CollectorMetrics
 from services.collector.ownership import owned_by
 from services.collector.pod_loop import Cadence, run_pod_loop
@@ -49,16 +47,12 @@ MIN_INTERVAL_S = 0.005
 SHUTDOWN_TIMEOUT_S = 1.0
 
 
-def _default_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 class CollectorSettings(msgspec.Struct, frozen=True):
     """Everything ``lig collector`` is configured with: one field per flag."""
 
     nats: NatsSettings = NatsSettings()
     collector_id: Annotated[str, option("this collector's name among its peers", min_length=1)] \
-        = msgspec.field(default_factory=_default_id)
+        = msgspec.field(default_factory=default_member_id)
     interval_s: Annotated[float, option("seconds between two scrapes of a pod",
                                         flag="--interval", ge=MIN_INTERVAL_S)] = 0.05
     scrape_timeout_s: Annotated[float | None, option(
@@ -165,8 +159,11 @@ class Collector:
         self._nc, self._stop = nc, stop
         warn_about_replication(nc, settings.nats.replicas, "collector")
         self.publisher = SnapshotPublisher(nc, self.metrics)
-        self.membership = Membership(nc, self.subjects, settings.collector_id,
-                                     settings.heartbeat_s, self.metrics, self.rebalance)
+        self.membership = Membership(
+            nc, HeartbeatSubjects(self.subjects.collector_heartbeat,
+                                  self.subjects.all_collector_heartbeats()),
+            settings.collector_id, settings.heartbeat_s, self.rebalance,
+            on_undecodable=lambda: self.metrics.undecodable.labels("heartbeat").inc())
         self.watcher = RegistryWatcher(
             nc.jetstream(), self.subjects.registry_bucket, self.view, on_change=self.rebalance,
             on_undecodable=lambda key, exc: self.metrics.undecodable.labels("registry").inc())

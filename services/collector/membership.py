@@ -1,7 +1,9 @@
 """Which collectors are alive: heartbeats over NATS, and a live set that expires silent peers.
 
 Each collector publishes a :class:`CollectorHeartbeat` every interval on
-``<prefix>.collectors.<id>`` and listens to everyone else's. A peer silent for 1.5 of its
+``<prefix>.collectors.<id>`` and listens to everyone else's. (``lig kv-events`` replicas share
+their pods the same way, among themselves, on ``<prefix>.kvevents.<id>``: a
+:class:`Membership` is one group of replicas on one subject.) A peer silent for 1.5 of its
 intervals is dropped (checked every eighth of an interval), so a dead collector's pods move within
 two intervals. A stopping collector says ``leaving`` and its pods move at once.
 
@@ -20,20 +22,33 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import socket
 from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.collector.observability import CollectorMetrics
 from shared.schemas import CollectorHeartbeat, DecodeError, decode, encode
-from shared.subjects import Subjects
 
 log = logging.getLogger("lig.collector.membership")
 
 EXPIRY_INTERVALS = 1.5
 CHECKS_PER_INTERVAL = 8
+
+
+def default_member_id() -> str:
+    """A replica's name unless configured: host name and process id."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class HeartbeatSubjects(msgspec.Struct, frozen=True):
+    """Where one group of replicas announces itself: ``of(id)`` for a replica, ``every`` the
+    wildcard over the group."""
+
+    of: Callable[[str], str]
+    every: str
 
 
 class Peer(msgspec.Struct):
@@ -85,26 +100,27 @@ class LiveSet:
 
 
 class Membership:
-    """Announces this collector and tracks its peers; ``on_change`` runs when ownership may move.
+    """Announces this replica and tracks its peers; ``on_change`` runs when ownership may move,
+    ``on_undecodable`` for each heartbeat skipped.
 
-    ``active`` turns true one interval after :meth:`run` starts; until then the collector must
-    not scrape (it does not know its peers yet).
+    ``active`` turns true one interval after :meth:`run` starts; until then the replica must
+    not work (it does not know its peers yet).
     """
 
     def __init__(
         self,
         nc: Client,
-        subjects: Subjects,
+        subjects: HeartbeatSubjects,
         me: str,
         interval_s: float,
-        metrics: CollectorMetrics,
         on_change: Callable[[], None],
+        on_undecodable: Callable[[], None] = lambda: None,
     ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._interval_s = interval_s
-        self._metrics = metrics
         self._on_change = on_change
+        self._on_undecodable = on_undecodable
         self._live = LiveSet(me)
         self._connected = True
         self.active = False
@@ -120,8 +136,7 @@ class Membership:
     async def run(self, stop: asyncio.Event) -> None:
         """Listen and announce until ``stop``; then announce that this collector leaves."""
         loop = asyncio.get_running_loop()
-        subscription = await self._nc.subscribe(self._subjects.all_collector_heartbeats(),
-                                                cb=self._received)
+        subscription = await self._nc.subscribe(self._subjects.every, cb=self._received)
         try:
             await self._announce()
             settle_until = loop.time() + self._interval_s
@@ -132,14 +147,14 @@ class Membership:
                 now = loop.time()
                 if not self.active and now >= settle_until:
                     self.active = True
-                    log.info("collector %s active; peers: %s", self.me,
+                    log.info("%s active; peers: %s", self.me,
                              sorted(self.members() - {self.me}) or "none")
                     await self._announce()
                     self._changed()
                 if self._connected:
                     dead = self._live.expire(now)
                     if dead:
-                        log.warning("collectors %s stopped sending heartbeats; taking over",
+                        log.warning("%s stopped sending heartbeats; taking over",
                                     sorted(dead))
                         self._changed()
                 if now >= next_beat:
@@ -165,22 +180,21 @@ class Membership:
         try:
             heartbeat = decode(msg.data, CollectorHeartbeat)
         except DecodeError as exc:
-            self._metrics.undecodable.labels("heartbeat").inc()
+            self._on_undecodable()
             log.warning("skipping undecodable heartbeat on %s: %s", msg.subject, exc)
             return
         if heartbeat.collector_id == self.me:
             return
         changed, unknown = self._live.heard(heartbeat, asyncio.get_running_loop().time())
         if heartbeat.leaving and changed:
-            log.info("collector %s left; taking over its pods", heartbeat.collector_id)
+            log.info("%s left; taking over its pods", heartbeat.collector_id)
         if unknown:
-            log.info("collector %s joined (active=%s)", heartbeat.collector_id, heartbeat.active)
+            log.info("%s joined (active=%s)", heartbeat.collector_id, heartbeat.active)
             await self._announce()  # so that a joiner learns about us without waiting
         if changed:
             self._changed()
 
     def _changed(self) -> None:
-        self._metrics.live_collectors.set(len(self.members()))
         self._on_change()
 
     async def _announce(self, leaving: bool = False) -> None:
@@ -189,6 +203,6 @@ class Membership:
         heartbeat = CollectorHeartbeat(collector_id=self.me, interval_s=self._interval_s,
                                        active=self.active, leaving=leaving)
         try:
-            await self._nc.publish(self._subjects.collector_heartbeat(self.me), encode(heartbeat))
+            await self._nc.publish(self._subjects.of(self.me), encode(heartbeat))
         except Exception as exc:  # a lost heartbeat is retried next interval
             log.warning("heartbeat not sent: %s", exc)

@@ -3,8 +3,11 @@
 A service beside the collector rather than inside it: it holds one long-lived ZMQ connection per
 pod (the collector holds none), its failure modes (a flood, a stuck replay, a decoder bug) must
 not delay metric snapshots, and a fleet without events does not run it at all. Pods come from
-the registry; ``--shards``/``--shard`` split them between replicas by the collector's
-rendezvous hashing. Wiring only: :class:`~services.kvevents.pod_stream.PodStream` does the work.
+the registry. Replicas share them as collectors do: heartbeats on ``<prefix>.kvevents.<id>``
+(the collector's :class:`~services.collector.membership.Membership`) and rendezvous hashing, so
+a dead replica's pods move to the others within two heartbeats; ``--shards``/``--shard`` split
+them statically instead. Wiring only: :class:`~services.kvevents.pod_stream.PodStream` does the
+work.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import msgspec
 import zmq.asyncio
 from nats.aio.client import Client
 
+from services.collector.membership import HeartbeatSubjects, Membership, default_member_id
 from services.kvevents.observability import KVEventsMetrics
 from services.kvevents.pod_stream import PodEndpoints, PodStream, StreamSettings
 from services.kvevents.recording import stream_config
-from services.kvevents.targets import PortSpec, parse_port, pods_from_view
+from services.kvevents.targets import PortSpec, Share, parse_port, pods_from_view
 from shared import ports
 from shared.host.lifespan import Lifespan
 from shared.host.settings import add_flags, from_args, option
@@ -56,8 +60,17 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
     dp_ranks: Annotated[int, option(
         "data-parallel ranks per pod: rank r publishes on both ports + r (as vLLM does), each "
         "with its own sequence", ge=1, le=MAX_DP_RANKS)] = 1
+    replica_id: Annotated[str, option(
+        "this replica's name among the replicas sharing the pods", min_length=1)] \
+        = msgspec.field(default_factory=default_member_id)
+    heartbeat_s: Annotated[float, option(
+        "seconds between the heartbeats by which replicas share the pods (rendezvous hashing "
+        "on pool/pod): a dead replica's pods move to the others within two heartbeats; 0: no "
+        "heartbeats, this replica follows every pod (of its --shard)", flag="--heartbeat",
+        ge=0)] = 1.0
     shards: Annotated[int, option(
-        "replicas sharing the pods (rendezvous hashing on pool/pod)", ge=1)] = 1
+        "above 1: split the pods statically between this many numbered replicas instead "
+        "(no heartbeats)", ge=1)] = 1
     shard: Annotated[int, option("this replica's number, 0-based; below --shards", ge=0)] = 0
     replay_timeout_s: Annotated[float, option(
         "seconds to wait for each frame of a replay before giving up", flag="--replay-timeout",
@@ -91,6 +104,11 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
         if self.replay_port.strip().lower() == "none":
             return None
         return parse_port(self.replay_port, "--replay-port (env LIG_REPLAY_PORT)")
+
+    @property
+    def shares_by_heartbeat(self) -> bool:
+        """Whether the replicas share the pods by heartbeats (else statically, or not)."""
+        return self.shards == 1 and self.heartbeat_s > 0
 
     @property
     def stream(self) -> StreamSettings:
@@ -136,6 +154,7 @@ class KVEventsService:
         self._ctx = zmq.asyncio.Context()
         self._nc: Client | None = None
         self._watcher: RegistryWatcher | None = None
+        self.membership: Membership | None = None
         self._stop = asyncio.Event()
         self._recording: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -149,7 +168,8 @@ class KVEventsService:
             life.metrics_server(settings.host, settings.metrics_port, self.metrics.prometheus)
             # Drained on the way out: the last block changes go out.
             nc = await life.enter(connection(
-                settings.nats, "lig-kv-events", stop, on_reconnect=self._reconnected,
+                settings.nats, f"lig-kv-events {settings.replica_id}", stop,
+                on_reconnect=self._reconnected, on_disconnect=self._disconnected,
                 drain=True, close_within=SHUTDOWN_TIMEOUT_S))
             if nc is not None:
                 self._start(nc, stop, life)
@@ -167,19 +187,44 @@ class KVEventsService:
         life.on_close(self._stop_streams, within=SHUTDOWN_TIMEOUT_S)
         life.callback(self._stop_recording)
         self._start_recording(nc)
+        if settings.shares_by_heartbeat:
+            self.membership = Membership(
+                nc, HeartbeatSubjects(self.subjects.kv_events_heartbeat,
+                                      self.subjects.all_kv_events_heartbeats()),
+                settings.replica_id, settings.heartbeat_s, self.reconcile,
+                on_undecodable=lambda: self.metrics.skipped.labels("heartbeat").inc())
+            # Its goodbye heartbeat hands this replica's pods to the others at once.
+            life.task(self.membership.run(stop), finish=SHUTDOWN_TIMEOUT_S)
         life.task(self._watcher.run(stop), finish=SHUTDOWN_TIMEOUT_S)
-        log.info("kv-events ready: events port %s, replay port %s, %d rank(s) per pod, "
-                 "shard %d of %d, metrics on %s, nats %s", settings.events,
-                 settings.replay or "none", settings.dp_ranks, settings.shard, settings.shards,
+        sharing = (f"replica {settings.replica_id}, sharing pods by heartbeats every "
+                   f"{settings.heartbeat_s:g} s" if settings.shares_by_heartbeat
+                   else f"shard {settings.shard} of {settings.shards}")
+        log.info("kv-events ready: events port %s, replay port %s, %d rank(s) per pod, %s, "
+                 "metrics on %s, nats %s", settings.events, settings.replay or "none",
+                 settings.dp_ranks, sharing,
                  f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else "off",
                  settings.nats.url)
+
+    def share(self) -> Share | None:
+        """The replicas this one shares the pods with now; None while it is still learning
+        them (it follows no pod until then)."""
+        settings = self.settings
+        if not settings.shares_by_heartbeat:
+            return Share.static(settings.shard, settings.shards)
+        if self.membership is None or not self.membership.active:
+            return None
+        return Share(settings.replica_id, self.membership.members())
 
     def reconcile(self) -> None:
         """Subscribe to exactly the pods this shard owns now (a pod whose address or ports
         changed gets a fresh stream)."""
         settings = self.settings
-        wanted = pods_from_view(self.view, settings.events, settings.replay,
-                                settings.shard, settings.shards, settings.dp_ranks)
+        before = len(self.streams)
+        share = self.share()
+        wanted = {} if share is None else pods_from_view(
+            self.view, settings.events, settings.replay, share, settings.dp_ranks)
+        if share is not None:
+            self.metrics.replicas.set(len(share.members))
         gone = [key for key, (pod, _) in self.streams.items() if wanted.get(key) != pod]
         if gone:
             self._background(self._stop_tasks([self.streams.pop(key)[1] for key in gone]))
@@ -189,6 +234,8 @@ class KVEventsService:
                                    self._count)
                 task = asyncio.create_task(self._run_stream(stream), name=f"kv-events {key}")
                 self.streams[key] = (pod, task)
+        if len(self.streams) != before:
+            log.info("following %d pod stream(s)", len(self.streams))
         self.metrics.pods.set(len(self.streams))
 
     def _count(self, outcome: str, n: int) -> None:
@@ -251,9 +298,15 @@ class KVEventsService:
     async def _stop_streams(self) -> None:
         await self._stop_tasks([task for _, task in self.streams.values()])
 
+    async def _disconnected(self) -> None:
+        if self.membership is not None:
+            self.membership.disconnected()
+
     async def _reconnected(self) -> None:
         if self._watcher is not None:
             self._watcher.resync()
+        if self.membership is not None:
+            await self.membership.reconnected()
         # A restarted NATS server may have lost its store: make sure the stream exists.
         if self._nc is not None:
             self._start_recording(self._nc)

@@ -25,3 +25,5 @@ class KVEventsMetrics:
         self.publish_errors = Counter("lig_kv_events_publish_errors", "Block-change messages "
                                       "that NATS did not take", registry=r)
         self.pods = Gauge(PODS_GAUGE, "Pods subscribed to", registry=r)
+        self.replicas = Gauge("lig_kv_events_replicas", "Replicas sharing the pods (this one "
+                              "included), as its heartbeats tell", registry=r)

@@ -47,19 +47,36 @@ def _tcp(address: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+class Share(msgspec.Struct, frozen=True):
+    """This replica (``me``) among the replicas sharing the pods (``members``, ``me``
+    included): each pod goes to one of them by the collector's rendezvous hashing."""
+
+    me: str = "0"
+    members: frozenset[str] = frozenset({"0"})
+
+    @classmethod
+    def static(cls, shard: int, shards: int) -> Share:
+        """Shard ``shard`` of ``shards`` numbered replicas (``--shard``/``--shards``)."""
+        return cls(str(shard), frozenset(str(number) for number in range(shards)))
+
+    def owns(self, key: str) -> bool:
+        """Whether this replica follows the pod ``key``."""
+        return len(self.members) <= 1 or owner(key, self.members | {self.me}) == self.me
+
+
+ALONE = Share()  # one replica following every pod
+
+
 def pods_from_view(view: RegistryView, events: PortSpec, replay: PortSpec | None,
-                   shard: int = 0, shards: int = 1, dp_ranks: int = 1,
-                   ) -> dict[str, PodEndpoints]:
-    """Every data-parallel rank of every endpoint of every pool this shard owns (rendezvous
-    hashing of the pod over the shard numbers, as the collector shares pods; a pod's ranks stay
-    together), by pod key and rank; rank ``r`` uses the ports + ``r``, as vLLM does. Ranks whose
-    ports fall outside 1..65535 are left out."""
-    names = [str(number) for number in range(shards)]
+                   share: Share = ALONE, dp_ranks: int = 1) -> dict[str, PodEndpoints]:
+    """Every data-parallel rank of every endpoint of every pool this replica owns (a pod's
+    ranks stay together), by pod key and rank; rank ``r`` uses the ports + ``r``, as vLLM
+    does. Ranks whose ports fall outside 1..65535 are left out."""
     pods: dict[str, PodEndpoints] = {}
     for pool, endpoint_set in view.endpoints.items():
         for endpoint in endpoint_set.endpoints:
             key = pod_key(pool, endpoint.name)
-            if shards > 1 and owner(key, names) != str(shard):
+            if not share.owns(key):
                 continue
             for rank in range(dp_ranks):
                 port = events.port_for(endpoint.port) + rank
