@@ -200,6 +200,13 @@ def test_registry_configmap_is_the_example_pointing_at_the_simulator_service(
             assert forwarded.get(int(port)) == bound and bound in exposed, (pod, forwarded)
 
 
+def test_kv_events_replicas_share_the_pods_by_heartbeats() -> None:
+    assert find("Deployment", "kv-events")["spec"]["replicas"] >= 2
+    settings = parsed("kv-events")
+    assert settings.shares_by_heartbeat and settings.shards == 1
+    assert "LIG_REPLICA_ID" not in environment(container("kv-events"))  # each pod its own name
+
+
 def test_nats_url_names_the_nats_service() -> None:
     service = find("Service", "nats")["spec"]
     client_port = next(p["port"] for p in service["ports"] if p["name"] == "client")
