@@ -101,7 +101,7 @@ class LiveSet:
 
 class Membership:
     """Announces this replica and tracks its peers; ``on_change`` runs when ownership may move,
-    ``on_undecodable`` for each heartbeat skipped.
+    ``on_undecodable`` for each heartbeat skipped; ``role`` names the replicas in the logs.
 
     ``active`` turns true one interval after :meth:`run` starts; until then the replica must
     not work (it does not know its peers yet).
@@ -115,12 +115,14 @@ class Membership:
         interval_s: float,
         on_change: Callable[[], None],
         on_undecodable: Callable[[], None] = lambda: None,
+        role: str = "collector",
     ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._interval_s = interval_s
         self._on_change = on_change
         self._on_undecodable = on_undecodable
+        self._role = role
         self._live = LiveSet(me)
         self._connected = True
         self.active = False
@@ -147,15 +149,15 @@ class Membership:
                 now = loop.time()
                 if not self.active and now >= settle_until:
                     self.active = True
-                    log.info("%s active; peers: %s", self.me,
+                    log.info("%s %s active; peers: %s", self._role, self.me,
                              sorted(self.members() - {self.me}) or "none")
                     await self._announce()
                     self._changed()
                 if self._connected:
                     dead = self._live.expire(now)
                     if dead:
-                        log.warning("%s stopped sending heartbeats; taking over",
-                                    sorted(dead))
+                        log.warning("%s %s stopped sending heartbeats; taking over",
+                                    self._role, sorted(dead))
                         self._changed()
                 if now >= next_beat:
                     await self._announce()
@@ -187,9 +189,10 @@ class Membership:
             return
         changed, unknown = self._live.heard(heartbeat, asyncio.get_running_loop().time())
         if heartbeat.leaving and changed:
-            log.info("%s left; taking over its pods", heartbeat.collector_id)
+            log.info("%s %s left; taking over its pods", self._role, heartbeat.collector_id)
         if unknown:
-            log.info("%s joined (active=%s)", heartbeat.collector_id, heartbeat.active)
+            log.info("%s %s joined (active=%s)", self._role, heartbeat.collector_id,
+                     heartbeat.active)
             await self._announce()  # so that a joiner learns about us without waiting
         if changed:
             self._changed()

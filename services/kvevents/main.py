@@ -192,7 +192,8 @@ class KVEventsService:
                 nc, HeartbeatSubjects(self.subjects.kv_events_heartbeat,
                                       self.subjects.all_kv_events_heartbeats()),
                 settings.replica_id, settings.heartbeat_s, self.reconcile,
-                on_undecodable=lambda: self.metrics.skipped.labels("heartbeat").inc())
+                on_undecodable=lambda: self.metrics.skipped.labels("heartbeat").inc(),
+                role="kv-events replica")
             # Its goodbye heartbeat hands this replica's pods to the others at once.
             life.task(self.membership.run(stop), finish=SHUTDOWN_TIMEOUT_S)
         life.task(self._watcher.run(stop), finish=SHUTDOWN_TIMEOUT_S)
