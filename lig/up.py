@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -177,6 +178,12 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
             "outside 1..65535 (their serving port "
             f"{ports.kv_events_offset:+d} and {ports.kv_replay_offset:+d}); move the pods or "
             "run with --no-kv-events")
+    twice = sorted(port for port, uses in Counter(planned_ports(plan)).items() if uses > 1)
+    if twice:
+        raise stack_config.ConfigError(
+            f"port(s) {', '.join(map(str, twice))} would be used twice (a pod's serving port "
+            "is another's KV-event socket, or a service's port); move the pods"
+            + (" or run with --no-kv-events" if plan.kv_events else ""))
     # Loopback only: the stack has no authentication, so it is not offered to the network.
     envoy_config.write_text(render_envoy_config(
         listener_port=ports.gateway, admin_port=ports.envoy_admin, listener_host=LOOPBACK,

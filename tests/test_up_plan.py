@@ -273,3 +273,17 @@ def test_the_chaos_tools_one_sim_per_pod_publish_on_their_own_pods_ports(
             f"tcp://{LOOPBACK}:{settings.events.port_for(pod.port)}"
         assert bind_address(config.replay_endpoint, LOOPBACK, 0) == \
             f"tcp://{LOOPBACK}:{settings.replay.port_for(pod.port)}"
+
+
+def test_a_pod_on_another_pods_event_port_is_refused_before_starting(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir()
+    text = (TWO_POOLS / "pools.yaml").read_text()
+    for old, new in (("port: 8010", "port: 7000"), ("port: 8011", "port: 7001")):
+        text = text.replace(old, new)
+    (config / "pools.yaml").write_text(text)
+    with pytest.raises(stack_config.ConfigError, match="7000, 7001 would be used twice"):
+        up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
+    plan, _ = up.make_plan(up_args("--config", str(config), "--no-kv-events",
+                                   "--state-dir", str(tmp_path / "s")))
+    assert [pod.port for pod in plan.pods] == [8000, 8001, 7000, 7001]
