@@ -11,7 +11,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.picker.decision_stream import DecisionPublisher
+from services.picker.batch_sender import BatchSender
+from services.picker.decision_stream import decision_queue
 from shared.schemas import Criticality, DecisionBatch, RoutedEvent, decode
 from shared.subjects import Subjects
 
@@ -28,9 +29,9 @@ async def test_decisions_of_one_window_go_out_as_one_message_per_pool(nc: Client
     await nc.subscribe(subjects.decisions(POOL), cb=_collector(received))
     await nc.subscribe(subjects.decisions("other"), cb=_collector(received))
     published: list[int] = []
-    publisher = DecisionPublisher("me", subjects, delay=0.005, heartbeat=60,
-                                  on_published=published.append)
-    task = asyncio.create_task(publisher.run(nc))
+    sender = BatchSender("me", delay=0.005, heartbeat=60)
+    publisher = decision_queue(sender, subjects, on_published=published.append)
+    task = asyncio.create_task(sender.run(nc))
     try:
         await asyncio.sleep(0.05)
         for request_id in range(100):
@@ -50,8 +51,9 @@ async def test_a_quiet_publisher_sends_heartbeats(nc: Client) -> None:
     subjects = Subjects()
     received: list[DecisionBatch] = []
     await nc.subscribe(subjects.decisions(POOL), cb=_collector(received))
-    publisher = DecisionPublisher("me", subjects, delay=0.001, heartbeat=0.1)
-    task = asyncio.create_task(publisher.run(nc))
+    sender = BatchSender("me", delay=0.001, heartbeat=0.1)
+    publisher = decision_queue(sender, subjects)
+    task = asyncio.create_task(sender.run(nc))
     try:
         publisher(POOL, routed(1, "pod-a"))
         await _wait_for(lambda: len(received) >= 4, within=3)
@@ -63,13 +65,14 @@ async def test_a_quiet_publisher_sends_heartbeats(nc: Client) -> None:
 
 async def test_the_queue_is_bounded_and_drops_while_nats_is_away(nc: Client) -> None:
     dropped: dict[str, int] = {}
-    publisher = DecisionPublisher("me", Subjects(), max_pending=10,
-                                  on_dropped=lambda reason, n: dropped.update(
-                                      {reason: dropped.get(reason, 0) + n}))
+    sender = BatchSender("me")
+    publisher = decision_queue(sender, Subjects(), max_pending=10,
+                               on_dropped=lambda reason, n: dropped.update(
+                                   {reason: dropped.get(reason, 0) + n}))
     for request_id in range(25):
         publisher(POOL, routed(request_id, "pod-a"))
     await nc.close()
-    await publisher.flush(nc)
+    await sender.flush(nc)
     assert dropped == {"queue_full": 15, "nats_away": 10}
     assert publisher.take() == {}
 
