@@ -11,8 +11,10 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from scheduling.record import DecisionRecord, RecordBatch
+from scheduling.types import PodView
 from services.picker.batch_sender import BatchSender
-from services.picker.decision_stream import decision_queue
+from services.picker.decision_stream import decision_queue, record_queue
 from shared.schemas import Criticality, DecisionBatch, RoutedEvent, decode
 from shared.subjects import Subjects
 
@@ -90,3 +92,39 @@ async def _wait_for(condition: Callable[[], bool], within: float = 2.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("condition not met in time")
         await asyncio.sleep(0.005)
+
+
+def _record(request_id: str, pods: int) -> DecisionRecord:
+    view = tuple(PodView(f"pod-{index:05d}", f"10.0.{index // 250}.{index % 250}:8000", index)
+                 for index in range(pods))
+    return DecisionRecord(request_id, 1, 1, "m", "m", Criticality.STANDARD, 0, 0, 0, {},
+                          "filter-tree", 5, view, "pod-00000")
+
+
+async def test_records_share_the_sender_and_split_to_fit_the_servers_max_payload(
+        nc: Client) -> None:
+    subjects = Subjects()
+    received: list[RecordBatch] = []
+
+    async def on_message(message: Msg) -> None:
+        received.append(decode(message.data, RecordBatch))
+
+    await nc.subscribe(subjects.records(POOL), cb=on_message)
+    dropped: dict[str, int] = {}
+    published: list[int] = []
+    sender = BatchSender("me", delay=0.001, heartbeat=60)
+    decisions = decision_queue(sender, subjects)
+    records = record_queue(sender, subjects, on_published=published.append,
+                           on_dropped=lambda reason, n: dropped.update({reason: n}))
+    big = [_record(f"r{number}", 1_000) for number in range(40)]  # ~40 KB each
+    for record in big:
+        records(POOL, record)
+    records(POOL, _record("huge", 40_000))  # alone beyond 1 MB
+    decisions(POOL, routed(1, "pod-a"))
+    await sender.flush(nc)
+    await _wait_for(lambda: sum(len(batch.records) for batch in received) >= 40)
+    assert len(received) >= 2 and all(batch.picker == "me" for batch in received)
+    assert [record.request_id for batch in received for record in batch.records] == [
+        record.request_id for record in big]
+    assert sum(published) == 40 and dropped == {"too_large": 1}
+    assert received[0].records[0] == big[0]
