@@ -6,10 +6,24 @@ from __future__ import annotations
 import random
 
 import msgspec
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from prometheus_client import CollectorRegistry
 
 from scheduling import build_policy
 from scheduling.record import DecisionRecord, OutcomeRecord, Record, RecordBatch
 from scheduling.types import SchedulingRequest
+from services.picker import epp
+from services.picker.ext_proc import (
+    BUFFERED,
+    DUPLEX,
+    NONE,
+    STREAMED,
+    Exchange,
+    Mode,
+    Processor,
+)
+from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway, ResponseSeen
 from services.picker.routing import Rejected, Routed
 from shared.schemas import (
@@ -21,6 +35,7 @@ from shared.schemas import (
     decode,
     encode,
 )
+from tests.test_picker_epp_units import HEADER, body_message, headers_message, make_processor
 from tests.test_picker_routing import POOL, Fleet
 
 LONG_PROMPT = "You are a helpful assistant. Answer in one line. " * 120  # several blocks
@@ -159,3 +174,66 @@ def test_records_round_trip_through_a_batch_and_nothing_is_recorded_when_off() -
     fleet.router.on_record = None
     routed = fleet.router.route(b'{"model": "chat"}', request_id="y")
     assert isinstance(routed, Routed) and routed.decided_ns == 0 and len(records) == 1
+
+
+def recording_processor(record_responses: bool) -> tuple[Processor, list[Record]]:
+    processor = make_processor(fallbacks=1)
+    records: list[Record] = []
+    gateway = processor.gateway
+    gateway.on_record = lambda pool, record: records.append(record)
+    for router in gateway.routers.values():
+        router.on_record = gateway.on_record
+    return Processor(gateway, PickerMetrics(CollectorRegistry()), HEADER,
+                     record_responses=record_responses), records
+
+
+def response_headers(status: bytes, content_type: bytes) -> pb.ProcessingRequest:
+    message = pb.ProcessingRequest()
+    for key, value in ((":status", status), ("content-type", content_type)):
+        header = message.response_headers.headers.headers.add()
+        header.key, header.raw_value = key, value
+    return message
+
+
+def test_the_endpoint_picker_protocol_path_records_id_served_pod_status_and_usage() -> None:
+    processor, records = recording_processor(record_responses=False)
+    exchange = Exchange(processor)
+    exchange.handle(headers_message(DUPLEX, {epp.REQUEST_ID_HEADER: "gw-7"}))
+    exchange.handle(body_message(b'{"model": "chat"}', True))
+    served = response_headers(b"200", b"application/json")
+    served.metadata_context.filter_metadata[epp.LB_NAMESPACE].fields[
+        epp.SERVED_KEY].string_value = "10.0.0.1:8000"  # the gateway used the fallback
+    exchange.handle(served)
+    exchange.handle(body_message(b'{"usage": {"prompt_tokens": 4, "completion_tokens": 9}}',
+                                 True, response=True))
+    exchange.close()
+    decision, outcome = records
+    assert isinstance(decision, DecisionRecord) and isinstance(outcome, OutcomeRecord)
+    assert (decision.request_id, decision.pick, decision.fallbacks) == (
+        "gw-7", "pod-0", ("10.0.0.1:8000",))
+    assert (outcome.request_id, outcome.served, outcome.status, outcome.prompt_tokens,
+            outcome.completion_tokens) == ("gw-7", "pod-1", 200, 4, 9)
+    assert outcome.ttfb_ms is not None
+
+
+@pytest.mark.parametrize(("content_type", "mode"), [(b"application/json", BUFFERED),
+                                                     (b"text/event-stream", STREAMED)])
+def test_record_responses_asks_envoy_for_the_response_it_reads_usage_from(
+        content_type: bytes, mode: int) -> None:
+    processor, records = recording_processor(record_responses=True)
+    exchange = Exchange(processor)
+    request = headers_message(BUFFERED, {epp.REQUEST_ID_HEADER: "r-1"})
+    request.protocol_config.response_body_mode = NONE  # as the shipped bootstrap asks
+    (answer,) = exchange.handle(request)
+    assert answer.mode_override.response_header_mode == Mode.SEND
+    exchange.handle(body_message(b'{"model": "premium"}', True))  # not rewritten
+    (reply,) = exchange.handle(response_headers(b"201", content_type))
+    assert reply.mode_override.response_body_mode == mode
+    usage = b'{"usage": {"prompt_tokens": 2, "completion_tokens": 3}}'
+    chunk = b"data: " + usage + b"\n\ndata: [DONE]\n\n" if mode == STREAMED else usage
+    (passed,) = exchange.handle(body_message(chunk, True, response=True))
+    assert not passed.response_body.response.HasField("body_mutation")  # nothing changed
+    exchange.close()
+    outcome = records[-1]
+    assert isinstance(outcome, OutcomeRecord)
+    assert (outcome.request_id, outcome.status, outcome.completion_tokens) == ("r-1", 201, 3)

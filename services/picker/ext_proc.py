@@ -70,10 +70,6 @@ REWRITE_HEADER = "x-gateway-model-rewrite"
 # (Envoy forwards the namespace to their streams, which start with the response headers).
 METADATA_NAMESPACE = "lig"
 REQUESTED_MODEL_KEY = "requested_model"
-# Envoy's request id (HCM generate_request_id), quoted in decision records and returned to the
-# client (always_set_request_id_in_response) so that a user can name a request.
-REQUEST_ID_HEADER = "x-request-id"
-MAX_REQUEST_ID = 200  # characters of it kept: a client may send its own, of any length
 
 
 def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
@@ -322,9 +318,7 @@ class Exchange:
         # Only a request with a body is scheduled, so only it needs the objective header.
         self._objective = epp.objective(message.request_headers)
         if self._p.recording:
-            request_id = _header(message.request_headers, REQUEST_ID_HEADER)
-            if request_id is not None:
-                self._request_id = request_id[:MAX_REQUEST_ID].decode(errors="replace")
+            self._request_id = epp.request_id(message.request_headers)
         if self._hold_headers:
             return ()
         self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
