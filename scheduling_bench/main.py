@@ -25,7 +25,12 @@ import msgspec
 
 from scheduling import PolicyConfigError, build_policy, policy_names
 from scheduling_bench import default_sweep, report
-from scheduling_bench.recorded_trace import RecordedTrace, describe, read_recorded_trace
+from scheduling_bench.recorded_trace import (
+    DEFAULT_OUTPUT_TOKENS,
+    RecordedTrace,
+    describe,
+    read_recorded_trace,
+)
 from scheduling_bench.runner import (
     DEFAULT_POLICY,
     ORACLE_SUFFIX,
@@ -79,7 +84,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--doc", type=Path, default=Path("docs/benchmarks.md"), help="document --sweep rewrites"
     )
     parser.add_argument(
-        "--workload", choices=list(WORKLOADS), help=f"workload preset (default {DEFAULT_WORKLOAD})"
+        "--workload",
+        choices=list(WORKLOADS),
+        default=argparse.SUPPRESS,  # absent unless given: a recording takes no preset
+        help=f"workload preset (default: {DEFAULT_WORKLOAD})",
     )
     parser.add_argument(
         "--trace-from-recording",
@@ -88,10 +96,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "recorded decision of the pool arrives at its recorded time (rescaled by --rates; "
         "default: the recorded rate) with its target model, criticality, prompt tokens (usage, "
         "else the picker's estimate) and output tokens (usage, else max_tokens, else "
-        "129); prompts play as unique text (recorded prefix sharing is not reproduced)",
+        f"{DEFAULT_OUTPUT_TOKENS}); prompts play as unique text (recorded prefix sharing is "
+        "not reproduced)",
     )
     parser.add_argument(
         "--pool",
+        default=argparse.SUPPRESS,
         help="with --trace-from-recording: the recorded pool to play (default: the only pool "
         "with decision records)",
     )
@@ -105,15 +115,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "on every pod's exact state at decision time (no scrape delay): the bound no real "
         "picker can beat",
     )
+    # The next three are absent unless given: their defaults depend on --trace-from-recording.
     parser.add_argument(
         "--rates",
-        help=f"comma-separated requests/s (default {DEFAULT_RATES}; with "
+        default=argparse.SUPPRESS,
+        help=f"comma-separated requests/s (default: {DEFAULT_RATES}; with "
         "--trace-from-recording: the recorded rate, other rates scale its arrival times)",
     )
     parser.add_argument(
         "--pods",
         type=int,
-        help=f"simulated vLLM pods (default {DEFAULT_PODS}; with --trace-from-recording: as "
+        default=argparse.SUPPRESS,
+        help=f"simulated vLLM pods (default: {DEFAULT_PODS}; with --trace-from-recording: as "
         "many as the recorded pool's endpoints)",
     )
     parser.add_argument("--pickers", type=int, default=1, help="picker replicas")
@@ -134,7 +147,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=float,
-        help=f"seconds of arrivals (default {DEFAULT_DURATION:g}; with --trace-from-recording: "
+        default=argparse.SUPPRESS,
+        help=f"seconds of arrivals (default: {DEFAULT_DURATION:g}; with --trace-from-recording: "
         "all recorded arrivals)",
     )
     parser.add_argument("--seed", type=int, default=1, help="seeds every random stream")
@@ -185,20 +199,24 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace) -> int:
     recorded = _recorded_trace(args) if args.trace_from_recording else None
-    if args.pool is not None and recorded is None:
+    if hasattr(args, "pool") and recorded is None:
         raise UsageError("--pool names a recorded pool: use it with --trace-from-recording")
     workload = _workload(args) if recorded is None else _recorded_workload(args, recorded)
     labels = [name.strip() for name in args.policies.split(",") if name.strip()]
     choices = [parse_policy(label) for label in labels]
     for choice in choices:  # fail on a bad name before any run starts
         build_policy(choice.policy, random.Random(0))
-    if args.rates is not None:
-        rates = _numbers(args.rates, "--rates")
+    given_rates: str | None = getattr(args, "rates", None)
+    if given_rates is not None:
+        rates = _numbers(given_rates, "--rates")
     else:
         rates = [recorded.rate] if recorded else _numbers(DEFAULT_RATES, "--rates")
-    pods = args.pods if args.pods is not None else (recorded and recorded.pods) or DEFAULT_PODS
-    if pods < 1 or args.pickers < 1 or args.jobs < 1 or (
-            args.duration is not None and args.duration <= 0):
+    if hasattr(args, "pods"):
+        pods: int = args.pods
+    else:  # a recording without endpoints or views of pods gets the usual fleet
+        pods = (recorded.pods if recorded else 0) or DEFAULT_PODS
+    duration: float | None = getattr(args, "duration", None)
+    if pods < 1 or args.pickers < 1 or args.jobs < 1 or (duration is not None and duration <= 0):
         raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
     if args.decision_delay < 0:
         raise UsageError("--decision-delay must be >= 0")
@@ -212,7 +230,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
             shared_decisions=args.shared_decisions,
             decision_delay=args.decision_delay,
             rate=rate,
-            duration=_duration(args, recorded, rate),
+            duration=_duration(duration, recorded, rate),
             seed=args.seed,
             pods=pods,
             pickers=args.pickers,
@@ -253,12 +271,12 @@ def _recorded_trace(args: argparse.Namespace) -> RecordedTrace:
     """The recording's trace, after checking no flag asks for what a recording fixes."""
     given = [f"--{field.replace('_', '-')}" for field in _SYNTHETIC_FLAGS
              if getattr(args, field) is not None]
-    if args.workload is not None or args.trace:
-        given.insert(0, "--workload" if args.workload is not None else "--trace")
+    if hasattr(args, "workload") or args.trace:
+        given.insert(0, "--workload" if hasattr(args, "workload") else "--trace")
     if given:
         raise UsageError(f"--trace-from-recording plays the recorded requests: {', '.join(given)} "
                          "cannot apply")
-    return read_recorded_trace(args.trace_from_recording, args.pool)
+    return read_recorded_trace(args.trace_from_recording, getattr(args, "pool", None))
 
 
 def _recorded_workload(args: argparse.Namespace, trace: RecordedTrace) -> Workload:
@@ -278,25 +296,26 @@ def _recorded_workload(args: argparse.Namespace, trace: RecordedTrace) -> Worklo
     return workload.validate()
 
 
-def _duration(args: argparse.Namespace, trace: RecordedTrace | None, rate: float) -> float:
-    """``--duration``, else every recorded arrival at ``rate`` (one mean gap past the last),
-    else the default."""
-    if args.duration is not None:
-        return float(args.duration)
+def _duration(given: float | None, trace: RecordedTrace | None, rate: float) -> float:
+    """``--duration`` (``given``), else every recorded arrival at ``rate`` (one mean gap past the
+    last), else the default."""
+    if given is not None:
+        return given
     if trace is not None:
         return len(trace.arrivals) / rate
     return DEFAULT_DURATION
 
 
 def _workload(args: argparse.Namespace) -> Workload:
-    workload = WORKLOADS[args.workload or DEFAULT_WORKLOAD]
+    name = getattr(args, "workload", DEFAULT_WORKLOAD)
+    workload = WORKLOADS[name]
     overrides = {
         field: getattr(args, field) for field in _WORKLOAD_FLAGS if getattr(args, field) is not None
     }
     if args.trace:
         read_trace(args.trace)  # a bad trace fails here, before any run starts
         overrides["trace"] = args.trace
-    elif args.workload == "trace":
+    elif name == "trace":
         raise UsageError(f"--workload trace needs --trace PATH ({TRACE_HELP})")
     return msgspec.structs.replace(workload, **overrides).validate()
 
