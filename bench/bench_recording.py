@@ -14,18 +14,19 @@ target is ≥ 50,000 recorded messages per second for the export.
 
 Then the flight recorder's size (no NATS needed): ``--records`` decisions at ``--record-rate``
 per second, each made by the default policy (``PolicyConfig()``, under the draw contract: the
-policy's rng seeded with the record's draw) on a view of 8 pods whose load moves between
-decisions, with an outcome (usage tokens) for each routed request when it ends; records batched
-as a picker batches them (every 2 ms, ``services/picker/batch_sender.py``'s default) into
-``RecordBatch`` messages on ``records.<pool>``. Reported: bytes per decision record on the wire
-(its own encoding, and every batch byte over the decisions: its outcome and the batch framing
-included) and in the file: the recording writer (``recording.fileformat.Writer``, what ``lig
-record`` writes with) is given the same time-ordered stream of snapshots (8 pods scraped every
-50 ms) with and without the record batches; the difference over the decisions is what a
-decision adds to a file, and the snapshot-only file over its snapshots is a snapshot's share.
+policy's rng seeded with the record's draw) on a view of 8 pods (``--record-pods``) whose load
+moves between decisions, with an outcome (usage tokens) for each routed request when it ends;
+records batched as a picker batches them (every 2 ms, ``services/picker/batch_sender.py``'s
+default) into ``RecordBatch`` messages on ``records.<pool>``. Reported: bytes per decision
+record on the wire (its own encoding, and every batch byte over the decisions: its outcome and
+the batch framing included) and in the file: the recording writer
+(``recording.fileformat.Writer``, what ``lig record`` writes with) is given the same
+time-ordered stream of snapshots (the same pods scraped every 50 ms) with and without the
+record batches; the difference over the decisions is what a decision adds to a file, and the
+snapshot-only file over its snapshots is a snapshot's share.
 
 Run: ``.venv/bin/python bench/bench_recording.py [--snapshots 100000] [--rounds 3]
-[--records 20000] [--record-rate 1000]``
+[--records 20000] [--record-rate 1000] [--record-pods 8] [--records-only]``
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ async def raw_read(url: str, window: Window) -> int:
     return count
 
 
-RECORD_PODS = 8
+RECORD_PODS = 8  # pods in each recorded view (--record-pods)
 RECORD_BATCH_NS = 2_000_000  # the pickers' batching window (services/picker/batch_sender.py)
 SCRAPE_NS = 50_000_000  # the collector's default scrape interval
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -182,12 +183,13 @@ class RecordedTraffic(msgspec.Struct):
     outcome_bytes: int
 
 
-def recorded_traffic(decisions: int, rate: float, seed: int = 1) -> RecordedTraffic:
-    """``decisions`` decisions at ``rate``/s by the default policy on 8 moving pods, their
+def recorded_traffic(decisions: int, rate: float, seed: int = 1,
+                     pods: int = RECORD_PODS) -> RecordedTraffic:
+    """``decisions`` decisions at ``rate``/s by the default policy on ``pods`` moving pods, their
     outcomes when the requests end, batched every 2 ms per picker; and the pods' snapshots."""
     rng = random.Random(seed)
-    pods = [_Pod(index, rng) for index in range(RECORD_PODS)]
-    by_name = {pod.name: pod for pod in pods}
+    fleet = [_Pod(index, rng) for index in range(pods)]
+    by_name = {pod.name: pod for pod in fleet}
     policy_rng = random.Random()
     policy = build_policy(PolicyConfig(), policy_rng)
     start = 1_790_000_000_000_000_000
@@ -200,8 +202,8 @@ def recorded_traffic(decisions: int, rate: float, seed: int = 1) -> RecordedTraf
     for seq in range(decisions):
         time_ns += round(rng.expovariate(rate) * 1e9)
         while next_scrape <= time_ns:
-            snapshots.extend((next_scrape, pod.snapshot(next_scrape)) for pod in pods)
-            for pod in pods:
+            snapshots.extend((next_scrape, pod.snapshot(next_scrape)) for pod in fleet)
+            for pod in fleet:
                 pod.unreported = 0
             next_scrape += SCRAPE_NS
         while ending and ending[0][0] <= time_ns:
@@ -210,9 +212,9 @@ def recorded_traffic(decisions: int, rate: float, seed: int = 1) -> RecordedTraf
             pending.append((end_ns, outcome))
             outcome_bytes += len(encode(outcome))
             outcomes += 1
-        for pod in pods:
+        for pod in fleet:
             pod.step(rng)
-        record = _decide(rng, policy, policy_rng, seq, time_ns, [pod.view() for pod in pods])
+        record = _decide(rng, policy, policy_rng, seq, time_ns, [pod.view() for pod in fleet])
         decision_bytes += len(encode(record))
         sheds += record.shed
         pending.append((time_ns, record))
@@ -305,9 +307,9 @@ def file_bytes(snapshots: list[tuple[int, bytes]], batches: list[tuple[int, byte
     return len(out.getvalue())
 
 
-def report_record_sizes(decisions: int, rate: float) -> None:
+def report_record_sizes(decisions: int, rate: float, pods: int = RECORD_PODS) -> None:
     """Print the flight recorder's bytes per decision on the wire and in the file."""
-    traffic = recorded_traffic(decisions, rate)
+    traffic = recorded_traffic(decisions, rate, pods=pods)
     wire = sum(len(data) for _, data in traffic.batches)
     with_records = file_bytes(traffic.snapshots, traffic.batches)
     snapshots_only = file_bytes(traffic.snapshots, [])
@@ -315,7 +317,7 @@ def report_record_sizes(decisions: int, rate: float) -> None:
     snapshot_wire = sum(len(data) for _, data in traffic.snapshots)
     count = traffic.decisions
     print(f"flight records: {count:,} decisions at {rate:g}/s by the default policy on "
-          f"{RECORD_PODS}-pod views ({traffic.sheds:,} shed), {traffic.outcomes:,} outcomes, "
+          f"{pods}-pod views ({traffic.sheds:,} shed), {traffic.outcomes:,} outcomes, "
           f"{len(traffic.batches):,} "
           f"batches ({(count + traffic.outcomes) / len(traffic.batches):.1f} records each)")
     print(f"  on the wire: {traffic.decision_bytes / count:,.0f} B per decision record, "
@@ -323,7 +325,7 @@ def report_record_sizes(decisions: int, rate: float) -> None:
           f"{wire / count:,.0f} B of RecordBatch per decision (outcome and batch included)")
     print(f"  in the file: {(with_records - snapshots_only) / count:,.1f} B per decision "
           f"(with its outcome) beside {len(traffic.snapshots):,} snapshots of the same "
-          f"{RECORD_PODS} pods; {records_only / count:,.1f} B in a file of records alone "
+          f"{pods} pods; {records_only / count:,.1f} B in a file of records alone "
           f"({wire / records_only:.1f}x smaller than the wire)")
     print(f"  snapshots: {snapshot_wire / len(traffic.snapshots):,.0f} B on the wire, "
           f"{snapshots_only / len(traffic.snapshots):,.1f} B in the file; per hour at "
@@ -341,11 +343,13 @@ def main() -> int:
                         help="decision records for the size report (0: skip it)")
     parser.add_argument("--record-rate", type=float, default=1000.0,
                         help="decisions per second of the recorded traffic")
+    parser.add_argument("--record-pods", type=int, default=RECORD_PODS,
+                        help="pods in each recorded view (a decision records every candidate)")
     parser.add_argument("--records-only", action="store_true",
                         help="only the flight records' size report (no NATS)")
     args = parser.parse_args()
     if args.records_only:
-        report_record_sizes(args.records, args.record_rate)
+        report_record_sizes(args.records, args.record_rate, args.record_pods)
         return 0
     logging.getLogger("lig").setLevel(logging.ERROR)  # "no registry bucket here" is expected
     with tempfile.TemporaryDirectory() as tmp:
@@ -380,7 +384,7 @@ def main() -> int:
           f"{decision_bytes / max(args.decisions, 1):.0f} B/decision; in the file "
           f"~{size / total:.1f} B/message overall")
     if args.records:
-        report_record_sizes(args.records, args.record_rate)
+        report_record_sizes(args.records, args.record_rate, args.record_pods)
     return 0
 
 
