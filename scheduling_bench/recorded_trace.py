@@ -113,16 +113,60 @@ class RecordedTrace(msgspec.Struct, frozen=True):
         return self.endpoints or self.view_pods
 
 
+class _Decision(msgspec.Struct, gc=False):
+    """What the trace keeps of a decision record (not its view: a recorded hour holds millions),
+    and its outcome's usage once that arrives."""
+
+    time_ns: int
+    model: str
+    target_model: str
+    criticality: Criticality
+    estimate: int
+    max_tokens: int
+    prefix_hit: bool
+    shed: bool
+    prompt_usage: int | None = None
+    completion_usage: int | None = None
+
+
 class _Pool:
     """What one pass collects for one pool."""
 
     def __init__(self) -> None:
-        self.decisions: list[tuple[str, DecisionRecord]] = []  # (picker, record)
-        self.outcomes: dict[tuple[str, int], OutcomeRecord] = {}  # (picker, seq) -> outcome
+        self.decisions: list[_Decision] = []
+        # Routed decisions waiting for their outcome, by (picker, decision number).
+        self.open: dict[tuple[str, int], _Decision] = {}
+        self.names: dict[str, str] = {}  # one string per model name, however often recorded
         self.endpoints = 0
         self.pods: set[str] = set()
         self.adapters: set[str] = set()
         self.max_lora = 0
+
+    def decided(self, picker: str, record: DecisionRecord) -> None:
+        """Keep what the trace needs of ``record``; note the pods and adapters of its view."""
+        names = self.names
+        decision = _Decision(
+            time_ns=record.time_ns,
+            model=names.setdefault(record.model, record.model),
+            target_model=names.setdefault(record.target_model, record.target_model),
+            criticality=record.criticality, estimate=record.prompt_tokens,
+            max_tokens=record.max_tokens, prefix_hit=bool(record.prefix_hits),
+            shed=record.shed)
+        self.decisions.append(decision)
+        if record.pick is not None:
+            self.open[(picker, record.seq)] = decision
+        for view in record.view:
+            self.pods.add(view.name)
+            self.adapters.update(view.running_adapters, view.waiting_adapters)
+            self.max_lora = max(self.max_lora, view.max_lora)
+
+    def ended(self, picker: str, outcome: OutcomeRecord) -> None:
+        """The usage of a routed decision's outcome (an outcome without its decision is
+        ignored: its decision was before the recorded window)."""
+        decision = self.open.pop((picker, outcome.seq), None)
+        if decision is not None:
+            decision.prompt_usage = outcome.prompt_tokens
+            decision.completion_usage = outcome.completion_tokens
 
 
 def read_recorded_trace(path: str | Path, pool: str | None = None) -> RecordedTrace:
@@ -189,13 +233,9 @@ def _scan(source: BinaryIO) -> tuple[dict[str, _Pool], _Skips]:
             found = pools.setdefault(batch.pool, _Pool())
             for record in batch.records:
                 if isinstance(record, DecisionRecord):
-                    found.decisions.append((batch.picker, record))
-                    for view in record.view:
-                        found.pods.add(view.name)
-                        found.adapters.update(view.running_adapters, view.waiting_adapters)
-                        found.max_lora = max(found.max_lora, view.max_lora)
+                    found.decided(batch.picker, record)
                 else:
-                    found.outcomes[(batch.picker, record.seq)] = record
+                    found.ended(batch.picker, record)
         elif kind in (Kind.REGISTRY_STATE, Kind.REGISTRY_CHANGE) and entry.name.startswith(
                 _ENDPOINTS) and entry.data is not None:
             members = _endpoint_count(entry.name, entry.data, skips)
@@ -227,26 +267,26 @@ def _endpoint_count(key: str, data: bytes, skips: _Skips) -> int | None:
 
 
 def _trace(path: str, pool: str, found: _Pool, skips: _Skips) -> RecordedTrace:
-    decisions = sorted(found.decisions, key=lambda pair: pair[1].time_ns)
-    if len(decisions) < 2 or decisions[-1][1].time_ns <= decisions[0][1].time_ns:
+    decisions = found.decisions
+    decisions.sort(key=lambda decision: decision.time_ns)
+    if len(decisions) < 2 or decisions[-1].time_ns <= decisions[0].time_ns:
         raise RecordedTraceError(
             f"{path}: pool {pool!r} has {len(decisions)} decision record(s) at "
-            f"{len({record.time_ns for _, record in decisions})} distinct time(s): a trace needs "
-            "at least two arrivals at different times to define a rate")
-    start = decisions[0][1].time_ns
+            f"{len({decision.time_ns for decision in decisions})} distinct time(s): a trace "
+            "needs at least two arrivals at different times to define a rate")
+    start = decisions[0].time_ns
     sources = TokenSources()
     arrivals = []
     targets: Counter[str] = Counter()
-    for picker, record in decisions:
-        outcome = found.outcomes.get((picker, record.seq))
-        targets[record.target_model] += 1
+    for decision in decisions:
+        targets[decision.target_model] += 1
         arrivals.append(RecordedArrival(
-            time=(record.time_ns - start) / 1e9,
-            model=record.model,
-            target_model=record.target_model,
-            criticality=record.criticality,
-            prompt_tokens=_prompt_tokens(record, outcome, sources),
-            output_tokens=_output_tokens(record, outcome, sources),
+            time=(decision.time_ns - start) / 1e9,
+            model=decision.model,
+            target_model=decision.target_model,
+            criticality=decision.criticality,
+            prompt_tokens=_prompt_tokens(decision, sources),
+            output_tokens=_output_tokens(decision, sources),
         ))
     adapters = tuple(sorted((name for name in targets if name in found.adapters),
                             key=lambda name: (-targets[name], name)))
@@ -259,30 +299,28 @@ def _trace(path: str, pool: str, found: _Pool, skips: _Skips) -> RecordedTrace:
         adapters=adapters,
         max_lora=found.max_lora,
         sources=sources,
-        prefix_hit_decisions=sum(1 for _, record in decisions if record.prefix_hits),
-        recorded_sheds=sum(1 for _, record in decisions if record.shed),
+        prefix_hit_decisions=sum(1 for decision in decisions if decision.prefix_hit),
+        recorded_sheds=sum(1 for decision in decisions if decision.shed),
         skipped=skips.count,
         first_skip=skips.first,
     )
 
 
-def _prompt_tokens(record: DecisionRecord, outcome: OutcomeRecord | None,
-                   sources: TokenSources) -> int:
-    if outcome is not None and outcome.prompt_tokens is not None:
+def _prompt_tokens(decision: _Decision, sources: TokenSources) -> int:
+    if decision.prompt_usage is not None:
         sources.prompt_usage += 1
-        return max(1, outcome.prompt_tokens)
+        return max(1, decision.prompt_usage)
     sources.prompt_estimate += 1
-    return max(1, record.prompt_tokens)  # the engine computes at least one token
+    return max(1, decision.estimate)  # the engine computes at least one token
 
 
-def _output_tokens(record: DecisionRecord, outcome: OutcomeRecord | None,
-                   sources: TokenSources) -> int:
-    if outcome is not None and outcome.completion_tokens is not None:
+def _output_tokens(decision: _Decision, sources: TokenSources) -> int:
+    if decision.completion_usage is not None:
         sources.output_usage += 1
-        return max(1, outcome.completion_tokens)
-    if record.max_tokens > 0:
+        return max(1, decision.completion_usage)
+    if decision.max_tokens > 0:
         sources.output_max_tokens += 1
-        return record.max_tokens
+        return decision.max_tokens
     sources.output_default += 1
     return DEFAULT_OUTPUT_TOKENS
 
