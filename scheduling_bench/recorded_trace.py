@@ -87,6 +87,8 @@ class RecordedTrace(msgspec.Struct, frozen=True):
     """Recorded target models that pods listed as LoRA adapters, most requested first."""
     max_lora: int
     """The most adapter slots a recorded pod view reported (0: none)."""
+    pickers: int
+    """Distinct picker ids that recorded decisions (a restarted picker counts again)."""
     sources: TokenSources
     prefix_hit_decisions: int
     """Decisions whose prefix index matched a pod: what the trace cannot reproduce."""
@@ -141,6 +143,7 @@ class _Pool:
         self.pods: set[str] = set()
         self.adapters: set[str] = set()
         self.max_lora = 0
+        self.pickers: set[str] = set()
 
     def decided(self, picker: str, record: DecisionRecord) -> None:
         """Keep what the trace needs of ``record``; note the pods and adapters of its view."""
@@ -153,6 +156,7 @@ class _Pool:
             max_tokens=record.max_tokens, prefix_hit=bool(record.prefix_hits),
             shed=record.shed)
         self.decisions.append(decision)
+        self.pickers.add(picker)
         if record.pick is not None:
             self.open[(picker, record.seq)] = decision
         for view in record.view:
@@ -298,6 +302,7 @@ def _trace(path: str, pool: str, found: _Pool, skips: _Skips) -> RecordedTrace:
         view_pods=len(found.pods),
         adapters=adapters,
         max_lora=found.max_lora,
+        pickers=len(found.pickers),
         sources=sources,
         prefix_hit_decisions=sum(1 for decision in decisions if decision.prefix_hit),
         recorded_sheds=sum(1 for decision in decisions if decision.shed),
@@ -331,8 +336,9 @@ def describe(trace: RecordedTrace) -> str:
     sources = trace.sources
     lines = [
         f"Recording `{trace.path}`, pool `{trace.pool}`: {count} arrivals over "
-        f"{trace.span:.3f} s ({trace.rate:.3g} req/s recorded); {trace.endpoints} recorded "
-        f"endpoints, {trace.view_pods} pods seen in decisions; "
+        f"{trace.span:.3f} s ({trace.rate:.3g} req/s recorded) by {trace.pickers} picker(s) "
+        f"(--pickers sets the simulated replicas); {trace.endpoints} recorded endpoints, "
+        f"{trace.view_pods} pods seen in decisions; "
         f"{len({arrival.model for arrival in trace.arrivals})} requested model(s) resolved to "
         f"{len({arrival.target_model for arrival in trace.arrivals})} target(s) as recorded, "
         f"{len(trace.adapters)} of them LoRA adapters; {trace.recorded_sheds} recorded sheds.",

@@ -154,6 +154,7 @@ def test_the_trace_holds_every_recorded_arrival(recording: Path) -> None:
     assert [(arrival.prompt_tokens, arrival.output_tokens) for arrival in trace.arrivals] == [
         _expected(request) for request in plan]
     assert trace.endpoints == 4 and trace.view_pods == 3 and trace.max_lora == 2
+    assert trace.pickers == 2
     assert trace.adapters == ("sql-lora", "tweet-summary-1")  # most requested first
     assert trace.prefix_hit_decisions == 2 and trace.skipped == 1
     assert trace.first_skip.startswith("a record batch on records.chat does not decode")
@@ -208,7 +209,8 @@ def test_bench_runs_the_recorded_arrivals_and_reports_as_usual(
                 1 for request in plan if request.criticality is criticality)
     table = (out / "results.md").read_text()
     assert table in capsys.readouterr().out
-    assert "12 arrivals over 1.100 s" in table and "| round-robin |" in table
+    assert "12 arrivals over 1.100 s (10 req/s recorded) by 2 picker(s)" in table
+    assert "| round-robin |" in table
     assert "2 of 12 recorded decisions had prefix-cache hits" in table
     assert "Skipped 1 undecodable message(s); first: a record batch on records.chat" in table
 
