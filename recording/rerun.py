@@ -1,0 +1,159 @@
+"""Run a policy again on a recorded decision: the draw contract, policy specs, and the policies
+kept between decisions.
+
+The draw contract (fixed, shared with the picker that records): a policy is built with
+``build_policy(config, rng)`` where ``rng = random.Random()``; before each decision
+``rng.seed(record.draw)``; the request is rebuilt from the record with stand-in prefix hashes
+``tuple(range(prefix_blocks))`` (a policy reads only how many blocks there are, and the hits);
+the pods are ``record.view`` in order. The recorded policy's parameters are the pool's
+``policy`` in the registry as recorded at the record's point of the file.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from recording.records import Registry
+from scheduling import Decision, Policy, PolicyConfigError, SchedulingRequest, build_policy
+from scheduling.policies import policy_names
+from scheduling.record import DecisionRecord
+from shared.schemas import PolicyConfig
+
+RECORDED = "recorded"  # the policy spec meaning "the pool's recorded policy"
+
+
+class PolicySpec(msgspec.Struct, frozen=True):
+    """One policy to re-decide with: ``config`` None is the recorded one."""
+
+    label: str
+    config: PolicyConfig | None = None
+
+
+def split_specs(text: str) -> list[str]:
+    """``A,B`` split on the commas outside JSON params (``name:{"a":1,"b":2},B`` is two)."""
+    parts: list[str] = []
+    depth = 0
+    quoted = escaped = False
+    current: list[str] = []
+    for char in text:
+        if quoted:
+            escaped = char == "\\" and not escaped
+            quoted = escaped or char != '"'
+        elif char == '"':
+            quoted = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        current.append(char)
+    parts.append("".join(current).strip())
+    return parts
+
+
+def parse_policy_spec(text: str) -> PolicySpec:
+    """``recorded``, a policy name, or ``name:{JSON params}``; :class:`PolicyConfigError` if the
+    policy cannot be built (the error names the spec)."""
+    if text == RECORDED:
+        return PolicySpec(RECORDED)
+    name, colon, raw = text.partition(":")
+    params: object = {}
+    if colon:
+        try:
+            params = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise PolicyConfigError(f"policy {text!r}: params are not JSON: {exc}") from None
+        if not isinstance(params, dict):
+            raise PolicyConfigError(f"policy {text!r}: params must be a JSON object")
+    if name not in policy_names():
+        known = ", ".join([RECORDED, *policy_names()])
+        raise PolicyConfigError(f"unknown policy {name!r} (known: {known})")
+    config = PolicyConfig(name=name, params=params)
+    build_policy(config, random.Random())  # bad params fail here, before the file is read
+    return PolicySpec(text, config)
+
+
+def parse_policy_specs(text: str) -> list[PolicySpec]:
+    """The specs of ``--policies``; :class:`PolicyConfigError` for a bad, empty or repeated
+    one."""
+    specs: list[PolicySpec] = []
+    for part in split_specs(text):
+        if not part:
+            raise PolicyConfigError(f"--policies {text!r}: an empty policy")
+        spec = parse_policy_spec(part)
+        if any(known.label == spec.label for known in specs):
+            raise PolicyConfigError(f"--policies: {spec.label!r} given twice")
+        specs.append(spec)
+    return specs
+
+
+_hashes: dict[int, tuple[int, ...]] = {}
+
+
+def scheduling_request(record: DecisionRecord) -> SchedulingRequest:
+    """The request the policy saw, per the draw contract."""
+    hashes = _hashes.get(record.prefix_blocks)
+    if hashes is None:
+        # Blocks counts are small and few: one stand-in tuple per count, shared.
+        hashes = _hashes[record.prefix_blocks] = tuple(range(record.prefix_blocks))
+    return SchedulingRequest(record.model, record.target_model, record.criticality,
+                             record.prompt_tokens, record.max_tokens, hashes,
+                             record.prefix_hits)
+
+
+class RecordedPolicy(msgspec.Struct, frozen=True):
+    """The policy a record was decided by: ``tag`` changes whenever the config does."""
+
+    tag: object
+    config: PolicyConfig
+    fallback: bool  # the registry named no pool or another policy: the record's name, defaults
+
+
+def recorded_policy(registry: Registry, pool: str, record: DecisionRecord) -> RecordedPolicy:
+    """The pool's policy in the recorded registry; if the registry has no such pool or names a
+    policy other than the record's (a change racing the decision), the record's policy with
+    default parameters."""
+    revision, config = registry.policy(pool)
+    if config is not None and config.name == record.policy:
+        return RecordedPolicy(revision, config, False)
+    return RecordedPolicy(("default", record.policy), PolicyConfig(name=record.policy), True)
+
+
+class _Slot(msgspec.Struct):
+    tag: object
+    policy: Policy | None  # None: the config does not build (an error kept, not retried)
+    rng: random.Random
+    error: str = ""
+
+
+class Rerunner:
+    """One policy instance per (picker, pool, spec), as each picker keeps one per pool, so a
+    stateful policy (round-robin) sees the decisions in the order that picker made them.
+    Rebuilt when its config changes (``tag``)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[str, str, str], _Slot] = {}
+
+    def decide(self, label: str, tag: object, config: PolicyConfig, picker: str, pool: str,
+               record: DecisionRecord, request: SchedulingRequest,
+               explain: bool = False) -> Decision:
+        """``config``'s decision on ``record``; :class:`PolicyConfigError` if it cannot be
+        built."""
+        key = (picker, pool, label)
+        slot = self._slots.get(key)
+        if slot is None or slot.tag != tag:
+            rng = random.Random()
+            try:
+                slot = _Slot(tag, build_policy(config, rng), rng)
+            except PolicyConfigError as exc:
+                slot = _Slot(tag, None, rng, str(exc))
+            self._slots[key] = slot
+        if slot.policy is None:
+            raise PolicyConfigError(slot.error)
+        slot.rng.seed(record.draw)
+        return slot.policy.schedule(request, record.view, explain=explain)
