@@ -12,6 +12,7 @@ raises :class:`~recording.fileformat.RecordingError` where it is reached.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -24,6 +25,7 @@ from shared.subjects import pool_key
 
 log = logging.getLogger("lig.records")
 
+POOL_PREFIX = "pool."  # registry keys of InferencePools (shared.subjects.pool_key)
 RECORDS_NAME = "records."  # frame names of record batches: the subject without the prefix
 _batch_decoder = msgspec.msgpack.Decoder(RecordBatch)
 _pool_decoder = msgspec.msgpack.Decoder(InferencePool)
@@ -39,43 +41,67 @@ class ReadCounts(msgspec.Struct):
     other_pool: int = 0  # batches of pools the caller did not ask for
 
 
-class Registry:
-    """The registry keys of a recording as of the current point of a pass.
+POOL_HISTORY = 16  # revisions kept per pool key: records trail a registry change by milliseconds
 
-    Values stay encoded; a pool's policy is decoded when asked for and kept until its key
-    changes, so a pass decodes each pool revision at most once.
+
+class _PoolRevision:
+    """One write of a pool key; its policy decoded when first asked for."""
+
+    __slots__ = ("config", "data", "decoded", "time_ns")
+
+    def __init__(self, time_ns: int, data: bytes | None) -> None:
+        self.time_ns = time_ns
+        self.data = data
+        self.decoded = False
+        self.config: PolicyConfig | None = None
+
+
+class Registry:
+    """The registry keys of a recording as of the current point of a pass, and the last few
+    revisions of each pool key.
+
+    A picker publishes its records in batches, so a record decided just before a registry
+    change can come after the change in the file: a record's policy is looked up by the
+    record's time among the pool's recent revisions, not by file order. Values stay encoded;
+    a revision's policy is decoded once, when first asked for.
     """
 
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
-        self._policies: dict[str, tuple[int, PolicyConfig | None]] = {}
-        self._revision = 0
+        self._pools: dict[str, deque[_PoolRevision]] = {}
 
-    def apply(self, key: str, data: bytes | None) -> None:
-        """A key written (``data``) or deleted (None)."""
+    def apply(self, key: str, data: bytes | None, time_ns: int = 0) -> None:
+        """A key written (``data``) or deleted (None) at ``time_ns``."""
         if data is None:
             self.values.pop(key, None)
         else:
             self.values[key] = data
-        self._policies.pop(key, None)
+        if key.startswith(POOL_PREFIX):
+            history = self._pools.get(key)
+            if history is None:
+                history = self._pools[key] = deque(maxlen=POOL_HISTORY)
+            history.append(_PoolRevision(time_ns, data))
 
-    def policy(self, pool: str) -> tuple[int, PolicyConfig | None]:
-        """The policy the registry names for ``pool`` (None if the pool is absent or its value
-        does not decode, logged) and a revision number that changes whenever it may have."""
-        key = pool_key(pool)
-        cached = self._policies.get(key)
-        if cached is not None:
-            return cached
-        config: PolicyConfig | None = None
-        data = self.values.get(key)
-        if data is not None:
-            try:
-                config = _pool_decoder.decode(data).policy
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("registry key %s does not decode as an InferencePool: %s", key, exc)
-        self._revision += 1
-        cached = self._policies[key] = (self._revision, config)
-        return cached
+    def policy(self, pool: str, at_ns: int | None = None) -> PolicyConfig | None:
+        """The policy the registry named for ``pool`` at ``at_ns`` (default: now); None if the
+        pool was absent or its value does not decode (logged)."""
+        history = self._pools.get(pool_key(pool))
+        if not history:
+            return None
+        chosen = history[0]  # older than every kept revision: the oldest is the best guess
+        for entry in reversed(history):
+            if at_ns is None or entry.time_ns <= at_ns:
+                chosen = entry
+                break
+        if not chosen.decoded:
+            chosen.decoded = True
+            if chosen.data is not None:
+                try:
+                    chosen.config = _pool_decoder.decode(chosen.data).policy
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("registry key %s does not decode as an InferencePool: %s",
+                                pool_key(pool), exc)
+        return chosen.config
 
 
 class Recorded(msgspec.Struct, frozen=True):
@@ -108,7 +134,7 @@ def read_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
                     counts.outcomes += 1
                 yield Recorded(entry.time_ns, batch.picker, batch.pool, record)
         elif kind == Kind.REGISTRY_STATE or kind == Kind.REGISTRY_CHANGE:
-            registry.apply(entry.name, entry.data)
+            registry.apply(entry.name, entry.data, entry.time_ns)
 
 
 def _batch(name: str, data: bytes | None, counts: ReadCounts) -> RecordBatch | None:
@@ -126,7 +152,7 @@ def _batch(name: str, data: bytes | None, counts: ReadCounts) -> RecordBatch | N
 
 
 def _skipped(counts: ReadCounts, message: str, *args: object) -> None:
-    # The first skip is a warning; the rest only debug lines (the count is in every report), so
-    # a file full of a newer schema does not flood the terminal.
+    # A debug line only: the count is in every report, a file full of a newer schema does not
+    # flood the terminal, and a corrupt file's garbage before the error is found stays quiet.
     counts.undecodable += 1
-    log.log(logging.WARNING if counts.undecodable == 1 else logging.DEBUG, message, *args)
+    log.debug(message, *args)

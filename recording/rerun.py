@@ -109,19 +109,26 @@ def scheduling_request(record: DecisionRecord) -> SchedulingRequest:
 class RecordedPolicy(msgspec.Struct, frozen=True):
     """The policy a record was decided by: ``tag`` changes whenever the config does."""
 
-    tag: object
+    tag: tuple[str, bytes]
     config: PolicyConfig
     fallback: bool  # the registry named no pool or another policy: the record's name, defaults
 
 
+def config_tag(config: PolicyConfig) -> tuple[str, bytes]:
+    """A hashable stand-in for ``config``: equal for equal configs (a picker rebuilds its
+    policy only when the config changes, not on every write of the pool's key)."""
+    return config.name, msgspec.json.encode(config.params)
+
+
 def recorded_policy(registry: Registry, pool: str, record: DecisionRecord) -> RecordedPolicy:
-    """The pool's policy in the recorded registry; if the registry has no such pool or names a
-    policy other than the record's (a change racing the decision), the record's policy with
-    default parameters."""
-    revision, config = registry.policy(pool)
-    if config is not None and config.name == record.policy:
-        return RecordedPolicy(revision, config, False)
-    return RecordedPolicy(("default", record.policy), PolicyConfig(name=record.policy), True)
+    """The pool's policy in the recorded registry at the record's time; if the registry has no
+    such pool or names a policy other than the record's (a change racing the decision), the
+    record's policy with default parameters."""
+    config = registry.policy(pool, record.time_ns)
+    fallback = config is None or config.name != record.policy
+    if fallback:
+        config = PolicyConfig(name=record.policy)
+    return RecordedPolicy(config_tag(config), config, fallback)
 
 
 class _Slot(msgspec.Struct):

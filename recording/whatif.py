@@ -22,9 +22,9 @@ import msgspec
 from recording.fileformat import FileHeader
 from recording.records import ReadCounts, Recorded, Registry, read_records
 from recording.rerun import (
-    RECORDED,
     PolicySpec,
     Rerunner,
+    config_tag,
     recorded_policy,
     scheduling_request,
 )
@@ -171,6 +171,7 @@ class WhatIf:
         self.rerunner = Rerunner()
         self.recorded = _Tally(AS_RECORDED)
         self.tallies = [_Tally(spec.label) for spec in specs]
+        self._tags = [config_tag(spec.config) if spec.config else None for spec in specs]
         self.pods_seen: dict[str, set[str]] = {}
         self._heap: list[tuple[tuple[int, int, int], Difference]] = []
         self._order = itertools.count()
@@ -190,13 +191,13 @@ class WhatIf:
         request = scheduling_request(record)
         answers: list[tuple[str, str | None, bool]] = []
         differs = False
-        for spec, tally in zip(self.specs, self.tallies, strict=True):
+        for spec, tally, fixed_tag in zip(self.specs, self.tallies, self._tags, strict=True):
             if spec.config is None:
                 recorded = recorded_policy(registry, pool, record)
                 tag, config = recorded.tag, recorded.config
                 tally.report.fallbacks += int(recorded.fallback)
             else:
-                tag, config = RECORDED, spec.config
+                tag, config = fixed_tag, spec.config
             try:
                 decision = self.rerunner.decide(spec.label, tag, config, item.picker, pool,
                                                 record, request)

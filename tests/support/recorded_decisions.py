@@ -34,7 +34,8 @@ CRITICALITIES = (Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDAB
 
 
 class Spec(msgspec.Struct, frozen=True):
-    """What to record: ``changes`` maps a decision index to the pool's new policy from then."""
+    """What to record: ``changes`` maps a decision index to the pool's policy from then (its
+    registry key is rewritten even when the policy stays the same)."""
 
     decisions: int
     pods: int = 8
@@ -84,7 +85,7 @@ def random_record(rng: random.Random, index: int, time_ns: int, policy: str,
         view=views, pick=None)
 
 
-class _Recorder:
+class Recorder:
     """One picker's policy for the pool, kept across its decisions as a picker keeps it."""
 
     def __init__(self, config: PolicyConfig) -> None:
@@ -118,15 +119,17 @@ def write(path: Path, spec: Spec) -> list[DecisionRecord]:
             EndpointSet(spec.pool, tuple(Endpoint(f"pod-{index}", f"10.0.0.{index}", 8000)
                                          for index in range(spec.pods))))))
         config = spec.policy
-        recorders = {picker: _Recorder(config) for picker in spec.pickers}
+        recorders = {picker: Recorder(config) for picker in spec.pickers}
         pending: dict[str, list[Record]] = {picker: [] for picker in spec.pickers}
         for index in range(spec.decisions):
             time_ns = START_NS + index * SECOND // 100
             if index in spec.changes:
+                # As a picker: a new policy only when the config changes, not on every write.
+                if spec.changes[index] != config:
+                    recorders = {picker: Recorder(spec.changes[index]) for picker in spec.pickers}
                 config = spec.changes[index]
                 writer.add(Kind.REGISTRY_CHANGE, Entry(time_ns, pool_key(spec.pool),
-                                                       _pool(spec.pool, config)))
-                recorders = {picker: _Recorder(config) for picker in spec.pickers}
+                                                       _pool(spec.pool, config, index)))
             picker = spec.pickers[index % len(spec.pickers)]
             views = random_view(rng, spec.pods)
             record = recorders[picker].decide(
@@ -148,8 +151,9 @@ def write(path: Path, spec: Spec) -> list[DecisionRecord]:
     return recorded
 
 
-def _pool(pool: str, policy: PolicyConfig) -> bytes:
-    return encode(InferencePool(name=pool, target_port=8000, policy=policy))
+def _pool(pool: str, policy: PolicyConfig, revision: int = 0) -> bytes:
+    return encode(InferencePool(name=pool, target_port=8000, policy=policy,
+                                selector={"revision": str(revision)}))
 
 
 def _flush(writer: Writer, pool: str, picker: str, batch: list[Record], time_ns: int) -> None:
