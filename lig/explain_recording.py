@@ -108,7 +108,7 @@ def _text(match: RecordedDecision, decision: Decision) -> str:
         verdict = "the re-run agrees"
     else:
         verdict = f"the re-run DISAGREES (it chose {match.rerun_pick or 'no pod'})"
-    fallback = (" (the recorded registry names another policy for this pool: default params)"
+    fallback = (" (the recorded registry has no pool with this policy: its default params)"
                 if match.fallback else "")
     lines.append(f"recorded: {format_time(record.time_ns)} by {match.picker}, pool "
                  f"{match.pool}, seq {record.seq}: pick {recorded}; {verdict}{fallback}")
