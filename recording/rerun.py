@@ -12,6 +12,7 @@ the pods are ``record.view`` in order. The recorded policy's parameters are the 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import msgspec
 
@@ -62,14 +63,14 @@ def parse_policy_spec(text: str) -> PolicySpec:
     if text == RECORDED:
         return PolicySpec(RECORDED)
     name, colon, raw = text.partition(":")
-    params: object = {}
+    params: dict[str, Any] = {}
     if colon:
         try:
-            params = msgspec.json.decode(raw)
+            params = msgspec.json.decode(raw, type=dict[str, Any])
+        except msgspec.ValidationError:
+            raise PolicyConfigError(f"policy {text!r}: params must be a JSON object") from None
         except msgspec.DecodeError as exc:
             raise PolicyConfigError(f"policy {text!r}: params are not JSON: {exc}") from None
-        if not isinstance(params, dict):
-            raise PolicyConfigError(f"policy {text!r}: params must be a JSON object")
     if name not in policy_names():
         known = ", ".join([RECORDED, *policy_names()])
         raise PolicyConfigError(f"unknown policy {name!r} (known: {known})")
@@ -124,11 +125,11 @@ def recorded_policy(registry: Registry, pool: str, record: DecisionRecord) -> Re
     """The pool's policy in the recorded registry at the record's time; if the registry has no
     such pool or names a policy other than the record's (a change racing the decision), the
     record's policy with default parameters."""
-    config = registry.policy(pool, record.time_ns)
-    fallback = config is None or config.name != record.policy
-    if fallback:
-        config = PolicyConfig(name=record.policy)
-    return RecordedPolicy(config_tag(config), config, fallback)
+    named = registry.policy(pool, record.time_ns)
+    if named is not None and named.name == record.policy:
+        return RecordedPolicy(config_tag(named), named, False)
+    config = PolicyConfig(name=record.policy)
+    return RecordedPolicy(config_tag(config), config, True)
 
 
 class _Slot(msgspec.Struct):

@@ -192,7 +192,7 @@ class WhatIf:
         answers: list[tuple[str, str | None, bool]] = []
         differs = False
         for spec, tally, fixed_tag in zip(self.specs, self.tallies, self._tags, strict=True):
-            if spec.config is None:
+            if spec.config is None or fixed_tag is None:
                 recorded = recorded_policy(registry, pool, record)
                 tag, config = recorded.tag, recorded.config
                 tally.report.fallbacks += int(recorded.fallback)
