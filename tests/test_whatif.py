@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import random
-import subprocess
-import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -41,6 +41,16 @@ from tests.support.recorded_decisions import (
 )
 
 STRICT = PolicyConfig("filter-tree", {"queue_threshold_critical": 0, "kv_cache_threshold": 0.0})
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> Iterator[None]:
+    """``lig replay`` sets up logging for its process; in-process runs must not leave it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def report_of(path: Path, policies: str, top: int = 5, pool: str | None = None):
@@ -209,7 +219,8 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, args: list[str],
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "newer"])
-def test_a_bad_file_keeps_the_one_line_error_and_exit_2(tmp_path: Path, damage: str) -> None:
+def test_a_bad_file_keeps_the_one_line_error_and_exit_2(tmp_path: Path, capsys,
+                                                        damage: str) -> None:
     path = tmp_path / "fleet.ligrec"
     write(path, Spec(decisions=300))
     data = bytearray(path.read_bytes())
@@ -220,13 +231,12 @@ def test_a_bad_file_keeps_the_one_line_error_and_exit_2(tmp_path: Path, damage: 
     else:
         data[8:10] = (99).to_bytes(2, "big")
     path.write_bytes(bytes(data))
-    result = subprocess.run([sys.executable, "-m", "lig.cli", "replay", str(path), "--what-if",
-                             "--policies", "recorded"], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and str(path) in result.stderr
+    assert main(["replay", str(path), "--what-if", "--policies", "recorded"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no partial report
+    assert captured.err.count("\n") == 1 and str(path) in captured.err
     expected = {"truncated": "truncated", "corrupt": "corrupt", "newer": "version 99"}[damage]
-    assert expected in result.stderr
+    assert expected in captured.err
 
 
 def test_policy_specs_split_outside_json() -> None:
