@@ -44,16 +44,25 @@ class ReadCounts(msgspec.Struct):
 POOL_HISTORY = 16  # revisions kept per pool key: records trail a registry change by milliseconds
 
 
+PolicyTag = tuple[str, bytes]
+
+
+def config_tag(config: PolicyConfig) -> PolicyTag:
+    """A hashable stand-in for ``config``: equal for equal configs (a picker rebuilds its
+    policy only when the config changes, not on every write of the pool's key)."""
+    return config.name, msgspec.json.encode(config.params)
+
+
 class _PoolRevision:
     """One write of a pool key; its policy decoded when first asked for."""
 
-    __slots__ = ("config", "data", "decoded", "time_ns")
+    __slots__ = ("data", "decoded", "policy", "time_ns")
 
     def __init__(self, time_ns: int, data: bytes | None) -> None:
         self.time_ns = time_ns
         self.data = data
         self.decoded = False
-        self.config: PolicyConfig | None = None
+        self.policy: tuple[PolicyConfig, PolicyTag] | None = None
 
 
 class Registry:
@@ -69,6 +78,7 @@ class Registry:
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
         self._pools: dict[str, deque[_PoolRevision]] = {}
+        self._keys: dict[str, str] = {}  # pool name -> its key (escaping is not free)
 
     def apply(self, key: str, data: bytes | None, time_ns: int = 0) -> None:
         """A key written (``data``) or deleted (None) at ``time_ns``."""
@@ -85,7 +95,16 @@ class Registry:
     def policy(self, pool: str, at_ns: int | None = None) -> PolicyConfig | None:
         """The policy the registry named for ``pool`` at ``at_ns`` (default: now); None if the
         pool was absent or its value does not decode (logged)."""
-        history = self._pools.get(pool_key(pool))
+        tagged = self.tagged_policy(pool, at_ns)
+        return tagged[0] if tagged is not None else None
+
+    def tagged_policy(self, pool: str, at_ns: int | None = None
+                      ) -> tuple[PolicyConfig, PolicyTag] | None:
+        """:meth:`policy` with its :func:`config_tag`, both made once per revision."""
+        key = self._keys.get(pool)
+        if key is None:
+            key = self._keys[pool] = pool_key(pool)
+        history = self._pools.get(key)
         if not history:
             return None
         chosen = history[0]  # older than every kept revision: the oldest is the best guess
@@ -97,11 +116,13 @@ class Registry:
             chosen.decoded = True
             if chosen.data is not None:
                 try:
-                    chosen.config = _pool_decoder.decode(chosen.data).policy
+                    config = _pool_decoder.decode(chosen.data).policy
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.warning("registry key %s does not decode as an InferencePool: %s",
-                                pool_key(pool), exc)
-        return chosen.config
+                                key, exc)
+                else:
+                    chosen.policy = (config, config_tag(config))
+        return chosen.policy
 
 
 class Recorded(msgspec.Struct, frozen=True):
@@ -114,9 +135,10 @@ class Recorded(msgspec.Struct, frozen=True):
 
 
 def read_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
-                 pool: str | None = None) -> Iterator[Recorded]:
+                 pool: str | None = None, outcomes: bool = True) -> Iterator[Recorded]:
     """Every record after the header of ``source``, in file (time) order; ``registry`` is
-    brought up to each record's point before it is yielded. ``pool`` keeps one pool's."""
+    brought up to each record's point before it is yielded. ``pool`` keeps one pool's;
+    ``outcomes`` False yields only decisions (outcomes are still counted)."""
     for kind, entry in read_entries(source):
         if kind == Kind.DECISION:
             if not entry.name.startswith(RECORDS_NAME):
@@ -132,6 +154,8 @@ def read_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
                     counts.decisions += 1
                 else:
                     counts.outcomes += 1
+                    if not outcomes:
+                        continue
                 yield Recorded(entry.time_ns, batch.picker, batch.pool, record)
         elif kind == Kind.REGISTRY_STATE or kind == Kind.REGISTRY_CHANGE:
             registry.apply(entry.name, entry.data, entry.time_ns)

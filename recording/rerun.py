@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from recording.records import Registry
+from recording.records import PolicyTag, Registry, config_tag
 from scheduling import Decision, Policy, PolicyConfigError, SchedulingRequest, build_policy
 from scheduling.policies import policy_names
 from scheduling.record import DecisionRecord
@@ -110,26 +110,28 @@ def scheduling_request(record: DecisionRecord) -> SchedulingRequest:
 class RecordedPolicy(msgspec.Struct, frozen=True):
     """The policy a record was decided by: ``tag`` changes whenever the config does."""
 
-    tag: tuple[str, bytes]
+    tag: PolicyTag
     config: PolicyConfig
     fallback: bool  # the registry named no pool or another policy: the record's name, defaults
 
 
-def config_tag(config: PolicyConfig) -> tuple[str, bytes]:
-    """A hashable stand-in for ``config``: equal for equal configs (a picker rebuilds its
-    policy only when the config changes, not on every write of the pool's key)."""
-    return config.name, msgspec.json.encode(config.params)
+_defaults: dict[str, RecordedPolicy] = {}
 
 
 def recorded_policy(registry: Registry, pool: str, record: DecisionRecord) -> RecordedPolicy:
     """The pool's policy in the recorded registry at the record's time; if the registry has no
     such pool or names a policy other than the record's (a change racing the decision), the
     record's policy with default parameters."""
-    named = registry.policy(pool, record.time_ns)
-    if named is not None and named.name == record.policy:
-        return RecordedPolicy(config_tag(named), named, False)
-    config = PolicyConfig(name=record.policy)
-    return RecordedPolicy(config_tag(config), config, True)
+    named = registry.tagged_policy(pool, record.time_ns)
+    if named is not None and named[0].name == record.policy:
+        return RecordedPolicy(named[1], named[0], False)
+    fallback = _defaults.get(record.policy)
+    if fallback is None:
+        config = PolicyConfig(name=record.policy)
+        fallback = RecordedPolicy(config_tag(config), config, True)
+        if len(_defaults) < len(policy_names()) * 4:  # names from a file: bounded
+            _defaults[record.policy] = fallback
+    return fallback
 
 
 class _Slot(msgspec.Struct):

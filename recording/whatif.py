@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from operator import attrgetter
 from typing import BinaryIO
 
 import msgspec
 
 from recording.fileformat import FileHeader
-from recording.records import ReadCounts, Recorded, Registry, read_records
+from recording.records import ReadCounts, Recorded, Registry, config_tag, read_records
 from recording.rerun import (
     PolicySpec,
     Rerunner,
-    config_tag,
     recorded_policy,
     scheduling_request,
 )
@@ -157,6 +157,9 @@ def _spread(picks: dict[str, int], seen: set[str]) -> PoolSpread:
     return PoolSpread(counts, share, max(counts.values()) / mean if mean else 0.0)
 
 
+_NAME = attrgetter("name")
+
+
 def _load(view: PodView) -> int:
     return view.waiting + view.running + view.in_flight
 
@@ -185,17 +188,18 @@ class WhatIf:
         seen = self.pods_seen.get(pool)
         if seen is None:
             seen = self.pods_seen[pool] = set()
-        for view in record.view:
-            seen.add(view.name)
-        self.recorded.count(pool, record, record.pick, record.shed)
+        seen.update(map(_NAME, record.view))
+        recorded_pick, recorded_shed = record.pick, record.shed
+        self.recorded.count(pool, record, recorded_pick, recorded_shed)
         request = scheduling_request(record)
-        answers: list[tuple[str, str | None, bool]] = []
+        answers: list[tuple[str, PodView | None, bool]] = []
         differs = False
         for spec, tally, fixed_tag in zip(self.specs, self.tallies, self._tags, strict=True):
             if spec.config is None or fixed_tag is None:
                 recorded = recorded_policy(registry, pool, record)
                 tag, config = recorded.tag, recorded.config
-                tally.report.fallbacks += int(recorded.fallback)
+                if recorded.fallback:
+                    tally.report.fallbacks += 1
             else:
                 tag, config = fixed_tag, spec.config
             try:
@@ -204,28 +208,36 @@ class WhatIf:
             except PolicyConfigError:
                 tally.report.unbuildable += 1
                 continue
-            pick = decision.pick.name if decision.pick is not None else None
+            view = decision.pick
+            pick = view.name if view is not None else None
             tally.count(pool, record, pick, decision.shed)
-            answers.append((spec.label, pick, decision.shed))
-            differs = differs or pick != record.pick or decision.shed != record.shed
+            answers.append((spec.label, view, decision.shed))
+            if pick != recorded_pick or decision.shed != recorded_shed:
+                differs = True
         if differs and self.top > 0:
             self._keep(item, record, answers)
 
     def _keep(self, item: Recorded, record: DecisionRecord,
-              answers: list[tuple[str, str | None, bool]]) -> None:
-        views = {view.name: view for view in record.view}
-        choices = [Choice(AS_RECORDED, record.pick, record.shed,
-                          _load(views[record.pick]) if record.pick in views else None)]
-        for label, pick, shed in answers:
-            view = views.get(pick) if pick is not None else None
-            choices.append(Choice(label, pick, shed, _load(view) if view else None))
-        loads = [choice.load for choice in choices if choice.load is not None]
+              answers: list[tuple[str, PodView | None, bool]]) -> None:
+        recorded_view = None
+        if record.pick is not None:
+            recorded_view = next((view for view in record.view if view.name == record.pick),
+                                 None)
+        loads = [_load(view) for view in (recorded_view, *(answer[1] for answer in answers))
+                 if view is not None]
         gap = max(loads) - min(loads) if loads else 0
-        shed_differs = len({choice.pick is None for choice in choices}) > 1
-        # Ties: the earlier decision first (a larger order number ranks lower).
+        picked = {record.pick is not None, *(answer[1] is not None for answer in answers)}
+        shed_differs = len(picked) > 1
+        # Ties: the earlier decision first (a larger order number ranks lower). The key is
+        # checked before anything is built: most decisions do not make the list.
         key = (int(shed_differs), gap, -next(self._order))
         if len(self._heap) >= self.top and key <= self._heap[0][0]:
             return
+        choices = [Choice(AS_RECORDED, record.pick, record.shed,
+                          _load(recorded_view) if recorded_view is not None else None)]
+        choices.extend(Choice(label, view.name if view is not None else None, shed,
+                              _load(view) if view is not None else None)
+                       for label, view, shed in answers)
         difference = Difference(
             record.time_ns, item.picker, item.pool, record.request_id, record.seq, record.model,
             record.criticality.value, gap, shed_differs, choices)
@@ -254,6 +266,6 @@ def what_if(source: BinaryIO, header: FileHeader, specs: list[PolicySpec], top: 
     registry = Registry()
     counts = ReadCounts()
     comparison = WhatIf(specs, top)
-    for item in read_records(source, registry, counts, pool):
+    for item in read_records(source, registry, counts, pool, outcomes=False):
         comparison.add(item, registry)
     return comparison.report(header, counts, pool)
