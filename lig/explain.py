@@ -100,7 +100,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                    "--recording)")
     parser.add_argument("--request", type=Path, help="JSON request object (required without "
                                                       "--recording)")
-    parser.add_argument("--policy", default=None, choices=policy_names(),
+    parser.add_argument("--policy", default=argparse.SUPPRESS, choices=policy_names(),
                         help=f"scheduling policy (default: lig picker's, {DEFAULT_POLICY_NAME})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=None, help="seed of the final random pick")
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         pods = _read_pods(args.pods)
         request = _read(args.request, RequestFile)
         params = _parse_params(args.param)
-        policy = build_policy(PolicyConfig(name=args.policy or DEFAULT_POLICY_NAME,
+        policy = build_policy(PolicyConfig(name=getattr(args, "policy", DEFAULT_POLICY_NAME),
                                            params=params), _rng(args.seed))
     except InputError as exc:
         print(f"lig explain: {exc}", file=sys.stderr)
@@ -169,7 +169,8 @@ def _run_recorded(args: argparse.Namespace) -> int:
     from lig.explain_recording import run_recorded
 
     given = [flag for flag, value in (("--pods", args.pods), ("--request", args.request),
-                                      ("--policy", args.policy), ("--seed", args.seed),
+                                      ("--policy", getattr(args, "policy", None)),
+                                      ("--seed", args.seed is not None),
                                       ("--param", args.param)) if value]
     if given:
         print(f"lig explain: {given[0]} cannot be combined with --recording (the recording "
