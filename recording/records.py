@@ -37,10 +37,13 @@ class ReadCounts(msgspec.Struct):
     batches: int = 0
     decisions: int = 0
     outcomes: int = 0
-    undecodable: int = 0  # record batches skipped: not a RecordBatch this lig reads
+    # Record batches skipped (not a RecordBatch this lig reads) and decision records skipped
+    # (values no picker records).
+    undecodable: int = 0
     other_pool: int = 0  # batches of pools the caller did not ask for
 
 
+MAX_PREFIX_BLOCKS = 1 << 16  # far above any picker's hashed blocks: a larger count is garbage
 POOL_HISTORY = 16  # revisions kept per pool key: records trail a registry change by milliseconds
 
 
@@ -151,6 +154,10 @@ def read_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
                 continue
             for record in batch.records:
                 if type(record) is DecisionRecord:
+                    if not 0 <= record.prefix_blocks <= MAX_PREFIX_BLOCKS:
+                        _skipped(counts, "skipped a decision record on %s with %d prefix "
+                                 "blocks", entry.name, record.prefix_blocks)
+                        continue
                     counts.decisions += 1
                 else:
                     counts.outcomes += 1

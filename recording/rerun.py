@@ -94,14 +94,17 @@ def parse_policy_specs(text: str) -> list[PolicySpec]:
 
 
 _hashes: dict[int, tuple[int, ...]] = {}
+_SHARED_HASHES = 1024  # stand-in tuples up to this many blocks are made once and shared
 
 
 def scheduling_request(record: DecisionRecord) -> SchedulingRequest:
     """The request the policy saw, per the draw contract."""
-    hashes = _hashes.get(record.prefix_blocks)
+    blocks = record.prefix_blocks
+    hashes = _hashes.get(blocks)
     if hashes is None:
-        # Blocks counts are small and few: one stand-in tuple per count, shared.
-        hashes = _hashes[record.prefix_blocks] = tuple(range(record.prefix_blocks))
+        hashes = tuple(range(blocks))
+        if blocks <= _SHARED_HASHES:
+            _hashes[blocks] = hashes
     return SchedulingRequest(record.model, record.target_model, record.criticality,
                              record.prompt_tokens, record.max_tokens, hashes,
                              record.prefix_hits)

@@ -172,11 +172,14 @@ def test_pool_filter_and_undecodable_batches_are_counted_not_fatal(tmp_path: Pat
             writer.add(Kind.DECISION, Entry(START_NS + index, f"records.{pool}",
                                             msgspec.msgpack.encode(batch)))
         writer.add(Kind.DECISION, Entry(START_NS + 50, "records.chat", b"\xc1 not msgpack"))
+        absurd = msgspec.structs.replace(record, prefix_blocks=1 << 40)  # no picker hashes so many
+        writer.add(Kind.DECISION, Entry(START_NS + 50, "records.chat", msgspec.msgpack.encode(
+            RecordBatch("picker-a", "chat", 0, [absurd]))))
         writer.add(Kind.DECISION, Entry(START_NS + 51, "records.chat", msgspec.msgpack.encode(
             RecordBatch("picker-a", "chat", 0, [], schema=99))))
         writer.close()
     result = replay_json(capsys, str(path), "--policies", "least-queue", "--pool", "chat")
-    assert (result["decisions"], result["undecodable"], result["pool"]) == (20, 2, "chat")
+    assert (result["decisions"], result["undecodable"], result["pool"]) == (20, 3, "chat")
     assert set(result["policies"][0]["pools"]) == {"chat"}
     # No pool in the registry: the record's policy with default params, counted.
     assert result["policies"][0]["fallbacks"] == 0  # a named policy is not the recorded one
