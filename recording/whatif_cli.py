@@ -131,6 +131,10 @@ def _spread(pool: str, columns: list[PolicyReport]) -> list[str]:
 
 
 def _differences(report: WhatIfReport) -> list[str]:
+    if report.decisions == 0:
+        return ["no decision records to compare: none in this file"
+                + (f" for pool {report.pool}" if report.pool else "")
+                + " (pickers publish them on <prefix>.records.<pool>; docs/recording.md)"]
     if not report.differences:
         return ["no decision differs from the recorded one" if report.top else
                 "(--top 0: differing decisions not listed)"]

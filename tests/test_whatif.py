@@ -155,6 +155,10 @@ def test_text_report_says_open_loop_and_points_to_the_closed_loop(tmp_path: Path
     assert 'filter-tree:{"kv_cache_threshold":0.5,"queueing_threshold_lora":9}' in out
     assert "share of picks per pod, pool chat" in out and "max/mean" in out
     assert out.count(" gap ") == 3
+    assert main(["replay", str(path), "--what-if", "--policies", "recorded", "--pool", "x"]) == 0
+    out = capsys.readouterr().out
+    assert "0 decisions" in out and "no decision records to compare: none in this file for " \
+        "pool x" in out
 
 
 def test_pool_filter_and_undecodable_batches_are_counted_not_fatal(tmp_path: Path,
