@@ -66,7 +66,8 @@ def run_recorded(path: Path, request_id: str, as_json: bool) -> int:
         print(f"lig explain: {path}: {exc}", file=sys.stderr)
         return 2
     if not found:
-        skipped = f", {counts.undecodable} undecodable batches" if counts.undecodable else ""
+        skipped = (f", {counts.undecodable} undecodable records or batches skipped"
+                   if counts.undecodable else "")
         print(f"lig explain: no decision with request id {request_id!r} in {path} "
               f"({counts.decisions} decisions read{skipped})", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from recording.records import ReadCounts, Registry, read_records
+from recording.records import ReadCounts, Registry, find_records
 from recording.rerun import Rerunner, recorded_policy, scheduling_request
 from scheduling import Decision, PolicyConfigError
 from scheduling.record import DecisionRecord, OutcomeRecord
@@ -57,10 +57,9 @@ def find(source: BinaryIO, request_id: str,
     registry = Registry()
     found: list[RecordedDecision] = []
     by_key: dict[tuple[str, str, int], RecordedDecision] = {}
-    for item in read_records(source, registry, counts if counts is not None else ReadCounts()):
+    for item in find_records(source, registry, counts if counts is not None else ReadCounts(),
+                             request_id):
         record = item.record
-        if record.request_id != request_id:
-            continue
         key = (item.picker, item.pool, record.seq)
         if isinstance(record, OutcomeRecord):
             match = by_key.get(key)

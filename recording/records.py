@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import msgspec
 
@@ -137,49 +137,113 @@ class Recorded(msgspec.Struct, frozen=True):
     record: DecisionRecord | OutcomeRecord
 
 
+class _LazyBatch(msgspec.Struct, frozen=True):
+    """A RecordBatch with its records left encoded (decoded one by one when wanted)."""
+
+    picker: str
+    pool: str
+    sent_at_ns: int
+    records: list[msgspec.Raw]
+    schema: int = SCHEMA_VERSION
+
+
+class _DecisionId(msgspec.Struct, frozen=True, array_like=True, tag="d"):
+    """A DecisionRecord's first field only (array-like structs ignore trailing fields)."""
+
+    request_id: str
+
+
+class _OutcomeId(msgspec.Struct, frozen=True, array_like=True, tag="o"):
+    """An OutcomeRecord's first field only."""
+
+    request_id: str
+
+
+_lazy_decoder = msgspec.msgpack.Decoder(_LazyBatch)
+_id_decoder = msgspec.msgpack.Decoder(_DecisionId | _OutcomeId)
+_record_decoder = msgspec.msgpack.Decoder(DecisionRecord | OutcomeRecord)
+_Batch = TypeVar("_Batch", RecordBatch, _LazyBatch)
+
+
 def read_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
                  pool: str | None = None, outcomes: bool = True) -> Iterator[Recorded]:
     """Every record after the header of ``source``, in file (time) order; ``registry`` is
     brought up to each record's point before it is yielded. ``pool`` keeps one pool's;
     ``outcomes`` False yields only decisions (outcomes are still counted)."""
+    for time_ns, name, batch in _batches(source, registry, counts, _batch_decoder, pool):
+        for record in batch.records:
+            if type(record) is DecisionRecord:
+                if not _usable(record, name, counts):
+                    continue
+                counts.decisions += 1
+            else:
+                counts.outcomes += 1
+                if not outcomes:
+                    continue
+            yield Recorded(time_ns, batch.picker, batch.pool, record)
+
+
+def find_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
+                 request_id: str) -> Iterator[Recorded]:
+    """The records of ``request_id`` in ``source``, as :func:`read_records` gives them; every
+    other record is only decoded as far as its request id (a fraction of a record's cost)."""
+    for time_ns, name, batch in _batches(source, registry, counts, _lazy_decoder, None):
+        for raw in batch.records:
+            try:
+                head = _id_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                _skipped(counts, "skipped an undecodable record on %s: %s", name, exc)
+                continue
+            if type(head) is _DecisionId:
+                counts.decisions += 1
+            else:
+                counts.outcomes += 1
+            if head.request_id != request_id:
+                continue
+            try:
+                record = _record_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                _skipped(counts, "skipped an undecodable record on %s: %s", name, exc)
+                continue
+            if type(record) is DecisionRecord and not _usable(record, name, counts):
+                continue
+            yield Recorded(time_ns, batch.picker, batch.pool, record)
+
+
+def _usable(record: DecisionRecord, name: str, counts: ReadCounts) -> bool:
+    if 0 <= record.prefix_blocks <= MAX_PREFIX_BLOCKS:
+        return True
+    _skipped(counts, "skipped a decision record on %s with %d prefix blocks", name,
+             record.prefix_blocks)
+    return False
+
+
+def _batches(source: BinaryIO, registry: Registry, counts: ReadCounts,
+             decoder: msgspec.msgpack.Decoder[_Batch], pool: str | None
+             ) -> Iterator[tuple[int, str, _Batch]]:
+    """The record batches of ``source`` (of ``pool``, if given) with their frame time and
+    name; registry frames applied to ``registry`` on the way."""
     for kind, entry in read_entries(source):
         if kind == Kind.DECISION:
             if not entry.name.startswith(RECORDS_NAME):
                 continue  # the decision stream: what peers share, not the flight records
-            batch = _batch(entry.name, entry.data, counts)
-            if batch is None:
+            try:
+                batch = decoder.decode(entry.data or b"")
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                _skipped(counts, "skipped an undecodable record batch on %s: %s", entry.name,
+                         exc)
                 continue
+            if batch.schema != SCHEMA_VERSION:
+                _skipped(counts, "skipped a record batch on %s with schema %d (this lig reads "
+                         "%d)", entry.name, batch.schema, SCHEMA_VERSION)
+                continue
+            counts.batches += 1
             if pool is not None and batch.pool != pool:
                 counts.other_pool += 1
                 continue
-            for record in batch.records:
-                if type(record) is DecisionRecord:
-                    if not 0 <= record.prefix_blocks <= MAX_PREFIX_BLOCKS:
-                        _skipped(counts, "skipped a decision record on %s with %d prefix "
-                                 "blocks", entry.name, record.prefix_blocks)
-                        continue
-                    counts.decisions += 1
-                else:
-                    counts.outcomes += 1
-                    if not outcomes:
-                        continue
-                yield Recorded(entry.time_ns, batch.picker, batch.pool, record)
+            yield entry.time_ns, entry.name, batch
         elif kind == Kind.REGISTRY_STATE or kind == Kind.REGISTRY_CHANGE:
             registry.apply(entry.name, entry.data, entry.time_ns)
-
-
-def _batch(name: str, data: bytes | None, counts: ReadCounts) -> RecordBatch | None:
-    try:
-        batch = _batch_decoder.decode(data or b"")
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        _skipped(counts, "skipped an undecodable record batch on %s: %s", name, exc)
-        return None
-    if batch.schema != SCHEMA_VERSION:
-        _skipped(counts, "skipped a record batch on %s with schema %d (this lig reads %d)", name,
-                 batch.schema, SCHEMA_VERSION)
-        return None
-    counts.batches += 1
-    return batch
 
 
 def _skipped(counts: ReadCounts, message: str, *args: object) -> None:

@@ -154,3 +154,24 @@ def test_bad_flags_and_files_exit_2_with_one_line(tmp_path: Path, capsys, args: 
     code, out, err = explain(capsys, *[arg.format(**names) for arg in args])
     assert (code, out) == (2, "")
     assert fragment in err and err.count("\n") == 1
+
+
+def test_a_record_that_does_not_decode_is_skipped_and_counted(tmp_path: Path, capsys) -> None:
+    """Records are decoded as far as their request id first: a broken one among good ones
+    costs only itself."""
+    path = tmp_path / "fleet.ligrec"
+    rng = random.Random(2)
+    good = Recorder(PolicyConfig("random")).decide(
+        random_record(rng, 7, START_NS + 1, "random", random_view(rng, 3)))
+    broken = {"picker": "picker-a", "pool": "chat", "sent_at_ns": 0,
+              "records": [["d", "req-broken", "not a seq"], good]}
+    with path.open("wb") as out:
+        writer = Writer(out, FileHeader(START_NS, START_NS, START_NS + 10, "lig"))
+        writer.add(Kind.DECISION, Entry(START_NS + 1, "records.chat",
+                                        msgspec.msgpack.encode(broken)))
+        writer.close()
+    code, out, _ = explain(capsys, "--recording", str(path), "--request-id", "req-7")
+    assert code == 0 and f"pick {good.pick}; the re-run agrees" in out
+    code, out, err = explain(capsys, "--recording", str(path), "--request-id", "req-broken")
+    assert (code, out) == (1, "")
+    assert "(2 decisions read, 1 undecodable records or batches skipped)" in err
