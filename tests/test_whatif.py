@@ -26,7 +26,7 @@ from recording.fileformat import (
     read_header,
 )
 from recording.records import ReadCounts, Registry, read_records
-from recording.rerun import parse_policy_specs, split_specs
+from recording.rerun import DeferredSeedRandom, parse_policy_specs, split_specs
 from recording.whatif import what_if
 from scheduling import PolicyConfigError, policy_names
 from scheduling.record import RecordBatch
@@ -269,3 +269,39 @@ def test_pool_policies_by_revision_and_time() -> None:
     assert registry.policy("chat", 20) == PolicyConfig("random")
     registry.apply("pool.chat", None, 30)
     assert registry.policy("chat") is None and registry.policy("chat", 25) is not None
+
+
+def test_the_deferred_seed_gives_the_numbers_random_gives() -> None:
+    """Any mix of seeds, one-element and longer choices, float and bit draws, shuffles and
+    state reads: a DeferredSeedRandom and a random.Random answer alike, step for step."""
+    script = random.Random(17)
+    deferred, plain = DeferredSeedRandom(), random.Random()
+    deferred.seed(1)
+    plain.seed(1)
+    for step in range(20_000):
+        op = script.randrange(8)
+        if op in (0, 1):
+            draw = script.getrandbits(64)
+            deferred.seed(draw)
+            plain.seed(draw)
+            continue
+        if op in (2, 3):
+            items = list(range(script.choice((1, 1, 1, 2, 3, 7))))
+            answers = deferred.choice(items), plain.choice(items)
+        elif op == 4:
+            answers = deferred.random(), plain.random()
+        elif op == 5:
+            bits = script.randint(1, 70)
+            answers = deferred.getrandbits(bits), plain.getrandbits(bits)
+        elif op == 6:
+            first, second = list(range(6)), list(range(6))
+            deferred.shuffle(first)
+            plain.shuffle(second)
+            answers = first, second
+        else:
+            answers = deferred.getstate(), plain.getstate()
+        assert answers[0] == answers[1], step
+    # A state restored drops a deferred seed.
+    deferred.seed(5)
+    deferred.setstate(plain.getstate())
+    assert deferred.random() == plain.random()
