@@ -176,7 +176,7 @@ class WhatIf:
         self.tallies = [_Tally(spec.label) for spec in specs]
         self._tags = [config_tag(spec.config) if spec.config else None for spec in specs]
         self.pods_seen: dict[str, set[str]] = {}
-        self._heap: list[tuple[tuple[int, int, int], Difference]] = []
+        self._heap: list[tuple[tuple[int, int, int, int], Difference]] = []
         self._order = itertools.count()
 
     def add(self, item: Recorded, registry: Registry) -> None:
@@ -219,19 +219,24 @@ class WhatIf:
 
     def _keep(self, item: Recorded, record: DecisionRecord,
               answers: list[tuple[str, PodView | None, bool]]) -> None:
+        picked = {record.pick is not None, *(answer[1] is not None for answer in answers)}
+        shed_differs = len(picked) > 1
+        full = len(self._heap) >= self.top
+        if full and self._heap[0][0][0] > shed_differs:
+            return  # the list holds only shed differences, and this is none
         recorded_view = None
         if record.pick is not None:
-            recorded_view = next((view for view in record.view if view.name == record.pick),
-                                 None)
+            for view in record.view:
+                if view.name == record.pick:
+                    recorded_view = view
+                    break
         loads = [_load(view) for view in (recorded_view, *(answer[1] for answer in answers))
                  if view is not None]
         gap = max(loads) - min(loads) if loads else 0
-        picked = {record.pick is not None, *(answer[1] is not None for answer in answers)}
-        shed_differs = len(picked) > 1
-        # Ties: the earlier decision first (a larger order number ranks lower). The key is
-        # checked before anything is built: most decisions do not make the list.
-        key = (int(shed_differs), gap, -next(self._order))
-        if len(self._heap) >= self.top and key <= self._heap[0][0]:
+        # Ties: the earlier decision first (a later time, or a later place in the file, ranks
+        # lower). The key is checked before anything is built: most decisions do not make it.
+        key = (int(shed_differs), gap, -record.time_ns, -next(self._order))
+        if full and key <= self._heap[0][0]:
             return
         choices = [Choice(AS_RECORDED, record.pick, record.shed,
                           _load(recorded_view) if recorded_view is not None else None)]

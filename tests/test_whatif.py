@@ -305,3 +305,17 @@ def test_the_deferred_seed_gives_the_numbers_random_gives() -> None:
     deferred.seed(5)
     deferred.setstate(plain.getstate())
     assert deferred.random() == plain.random()
+
+
+def test_the_top_list_is_the_head_of_the_full_ranking(tmp_path: Path) -> None:
+    """The bounded heap keeps exactly what ranking every differing decision would put first:
+    shed differences, then the largest load gap, then the earliest."""
+    path = tmp_path / "fleet.ligrec"
+    write(path, Spec(decisions=1500, policy=PolicyConfig("filter-tree"), seed=8))
+    everything = report_of(path, "least-queue,random", top=100_000).differences
+    assert len(everything) > 100
+    ranked = sorted(everything, key=lambda d: (-d.shed_differs, -d.load_gap, d.time_ns))
+    assert [d.seq for d in everything] == [d.seq for d in ranked]
+    for top in (1, 5, 40):
+        assert [d.seq for d in report_of(path, "least-queue,random", top=top).differences] == [
+            d.seq for d in ranked[:top]]
