@@ -5,7 +5,7 @@ baseline measured in the same run:
 
 - **publish, per request**: route a request, count it started and finished through the picker's
   :class:`~services.picker.pools.Gateway` (8 pods), ``--window`` requests per batch window, then
-  let the :class:`~services.picker.decision_stream.DecisionPublisher` publish the window to a real
+  let the :class:`~services.picker.batch_sender.BatchSender` publish the window to a real
   nats-server (encode + nats-py publish, everything the sender does). Baseline: the same requests
   through a gateway without the stream (``--no-shared-decisions``). The difference is what
   publishing adds per request (the issue's budget: 10 us).
@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats
 
-from services.picker.decision_stream import DecisionPublisher, DecisionSink
+from services.picker.batch_sender import BatchQueue, BatchSender
+from services.picker.decision_stream import DecisionSink, decision_queue
 from services.picker.pools import Gateway
 from services.picker.routing import Routed, Router
 from services.picker.state import PodTable
@@ -58,7 +59,8 @@ PODS = 8
 BODY = b'{"model": "m", "prompt": "Write a haiku about load balancing.", "max_tokens": 64}'
 
 
-def build_gateway(on_decision: DecisionPublisher | None, picker_id: str = "me") -> Gateway:
+def build_gateway(on_decision: BatchQueue[DecisionEvent] | None, picker_id: str = "me"
+                  ) -> Gateway:
     """A one-pool gateway of ``PODS`` fresh, idle pods (the picker's real classes)."""
     pods = PodTable(stale_after=3600.0)
     router = Router(POOL, pods, random.Random(7))
@@ -79,8 +81,8 @@ async def publish_round(url: str | None, requests: int, window: int) -> float:
     """CPU seconds per request: route + started + finished, and (with ``url``) the sender's
     publishing of every window to NATS."""
     client = await nats.connect(url) if url is not None else None
-    publisher = (DecisionPublisher("bench", Subjects(), heartbeat=3600.0)
-                 if client is not None else None)
+    sender = BatchSender("bench", heartbeat=3600.0)
+    publisher = decision_queue(sender, Subjects()) if client is not None else None
     gateway = build_gateway(publisher)
     route, started, finished = gateway.route, gateway.started, gateway.finished
     try:
@@ -95,7 +97,7 @@ async def publish_round(url: str | None, requests: int, window: int) -> float:
             for decision in routed:
                 finished(decision)
             if publisher is not None and client is not None:
-                await publisher.flush(client)
+                await sender.flush(client)
         if client is not None:
             await client.flush()
         return (time.process_time() - start) / requests

@@ -28,8 +28,14 @@ target: <= 150 us CPU per request with everything on, >= 0.25x the static route'
 that revision's code (from git) behind its own Envoy: the same requests on the seed's request
 path, in the same run, so the ratio shows what reading prompts costs.
 
+With ``--compare-recording`` it measures instead what the flight recorder costs (issue 14
+target: <= 1.15x picker CPU per request): three pickers, each behind its own Envoy, serve the
+same closed-loop requests in interleaved rounds: the default (decision records on), one with
+``--no-record-decisions`` (the baseline) and one with ``--record-responses``; it prints each
+one's CPU per request and its ratio to the baseline's, medians over the rounds.
+
 Run: ``.venv/bin/python bench/bench_picker.py [--duration 4] [--rounds 3]
-[--compare-body-modes] [--policy prefix-aware] [--chat-tokens 4000]
+[--compare-body-modes | --compare-recording] [--policy prefix-aware] [--chat-tokens 4000]
 [--no-shared-decisions]``; the measured picker publishes and applies the decision stream unless
 ``--no-shared-decisions``.
 """
@@ -236,7 +242,8 @@ class Stack:
 
     def __init__(self, workdir: Path, body_modes: bool = False,
                  policy: str | None = None, seed_rev: str | None = None,
-                 picker_args: tuple[str, ...] = ()) -> None:
+                 picker_args: tuple[str, ...] = (),
+                 variants: dict[str, tuple[str, ...]] | None = None) -> None:
         self.workdir = workdir
         self.picker_args = picker_args  # extra flags of the measured picker (not the others)
         self.policy = policy  # the pool's scheduling policy (None: the picker's default)
@@ -245,6 +252,10 @@ class Stack:
         self.seed_envoy: EnvoyProcess | None = None
         self.body_modes = body_modes  # one Envoy per body mode, instead of the usual parts
         self.mode_envoys: dict[str, EnvoyProcess] = {}
+        # Pickers started with other flags, each behind its own Envoy (in mode_envoys), instead
+        # of the usual parts; name -> flags.
+        self.variants = variants or {}
+        self.variant_pickers: dict[str, PickerProcess] = {}
         self.nats = NatsServer(workdir / "jetstream")
         self.upstream_ports = [free_port() for _ in range(PODS)]
         self.upstreams: list[subprocess.Popen[bytes]] = []
@@ -278,6 +289,15 @@ class Stack:
             self.feed.set_metrics(name, address, waiting=1, running=4, kv_cache_usage=0.3)
         self.picker = PickerProcess(POOL, self.nats.url, self.workdir, log_level="WARNING",
                                     extra_args=self.picker_args).start().wait_ready()
+        if self.variants:
+            for name, flags in self.variants.items():
+                picker = PickerProcess(POOL, self.nats.url, self.workdir, log_level="WARNING",
+                                       extra_args=flags).start().wait_ready()
+                self.variant_pickers[name] = picker
+                self.mode_envoys[name] = EnvoyProcess(envoy_config(
+                    listener_port=free_port(), admin_port=free_port(),
+                    pickers=[picker.endpoint], listener_host="127.0.0.1"), self.workdir).start()
+            return self
         if self.body_modes:
             for body_mode in BODY_MODES:
                 self.mode_envoys[body_mode] = EnvoyProcess(envoy_config(
@@ -314,7 +334,8 @@ class Stack:
 
     def stop(self) -> None:
         for part in (self.envoy, self.aio_envoy, self.floor_envoy, *self.mode_envoys.values(),
-                     self.seed_envoy, self.picker, self.aio_picker, self.seed_picker):
+                     self.seed_envoy, self.picker, self.aio_picker, self.seed_picker,
+                     *self.variant_pickers.values()):
             if part is not None:
                 part.stop()
         if self.floor is not None:
@@ -428,7 +449,9 @@ class Sample(msgspec.Struct):
 async def measure(stack: Stack, target: str, mode: str, payload: bytes,
                   args: argparse.Namespace) -> Sample:
     assert stack.picker is not None
-    if target in stack.mode_envoys:
+    if target in stack.variant_pickers:
+        port, pid = stack.mode_envoys[target].listen_port, stack.variant_pickers[target].pid
+    elif target in stack.mode_envoys:
         port, pid = stack.mode_envoys[target].listen_port, stack.picker.pid
     else:
         assert stack.envoy is not None
@@ -499,9 +522,52 @@ async def run_body_modes(args: argparse.Namespace) -> int:
     return 0
 
 
+RECORDING_VARIANTS = {
+    "records off": ("--no-record-decisions",),
+    "records on (default)": (),
+    "records on, --record-responses": ("--record-responses",),
+}
+
+
+async def run_recording(args: argparse.Namespace) -> int:
+    """The flight recorder's cost: pickers with and without it, rounds interleaved."""
+    variants = {name: (*flags, *(("--no-shared-decisions",) if args.no_shared_decisions
+                                 else ())) for name, flags in RECORDING_VARIANTS.items()}
+    with tempfile.TemporaryDirectory() as workdir:
+        stack = Stack(Path(workdir), policy=args.policy, variants=variants).start()
+        try:
+            plain = request_bytes("bench-model")
+            for envoy in stack.mode_envoys.values():
+                await closed_loop(envoy.listen_port, plain, 4, 1.0, 500)
+            results: dict[str, list[Sample]] = {}
+            for _ in range(args.rounds):
+                for name in variants:
+                    results.setdefault(name, []).append(
+                        await measure(stack, name, "closed", plain, args))
+        finally:
+            stack.stop()
+    print(f"bench_picker --compare-recording: medians of {args.rounds} rounds, "
+          f"{args.duration:.0f} s each; closed loop {args.connections} connections; policy "
+          f"{args.policy or 'default'}; decision stream "
+          f"{'off' if args.no_shared_decisions else 'on'}")
+    print(f"{'picker':34} {'req/s':>8} {'p50 ms':>8} {'picker CPU us/req':>18} {'ratio':>6} "
+          f"{'failed':>7}")
+    base = median(results["records off"], "picker_cpu_us")
+    for name, samples in results.items():
+        cpu = median(samples, "picker_cpu_us")
+        print(f"{name:34} {median(samples, 'rate'):8.0f} {median(samples, 'p50_ms'):8.2f} "
+              f"{cpu:18.1f} {cpu / base:5.2f}x {sum(s.failed for s in samples):7d}")
+    ratio = median(results["records on (default)"], "picker_cpu_us") / base
+    print(f"  {'PASS' if ratio <= 1.15 else 'MISS'} recording on / off: picker CPU per request "
+          f"{ratio:.2f}x <= 1.15x")
+    return 0
+
+
 async def run(args: argparse.Namespace) -> int:
     if args.compare_body_modes:
         return await run_body_modes(args)
+    if args.compare_recording:
+        return await run_recording(args)
     with tempfile.TemporaryDirectory() as workdir:
         picker_args = ("--no-shared-decisions",) if args.no_shared_decisions else ()
         stack = Stack(Path(workdir), policy=args.policy, seed_rev=args.seed_rev or None,
@@ -604,6 +670,9 @@ def main() -> int:
     parser.add_argument("--compare-body-modes", action="store_true",
                         help="measure the routing filter's body modes against each other "
                         "(BUFFERED, STREAMED, FULL_DUPLEX_STREAMED) instead")
+    parser.add_argument("--compare-recording", action="store_true",
+                        help="measure the flight recorder's cost instead: pickers with decision "
+                        "records off, on (the default) and with --record-responses")
     parser.add_argument("--policy", default=None,
                         help="the pool's scheduling policy (default: the picker's default), "
                         "e.g. prefix-aware")

@@ -24,11 +24,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "republish vLLM KV-cache events of every pod as block changes on NATS"),
     "registry": ("services.registry.main", "publish pools, models and endpoints from YAML files"),
     "sim": ("simulator.main", "run simulated vLLM model servers (OpenAI API and vLLM metrics)"),
-    "explain": ("lig.explain", "run a scheduling policy on given pods and show every step"),
+    "explain": ("lig.explain", "run a scheduling policy on given pods (or a recorded decision) "
+                "and show every step"),
     "metrics": ("lig.metrics_check", "show what the gateway reads from a model server's /metrics"),
     "bench": ("scheduling_bench.main", "compare scheduling policies on a simulated fleet"),
     "record": ("recording.export", "export a window of the recorded fleet to one file"),
-    "replay": ("recording.replay", "publish a recording onto a NATS as a live fleet"),
+    "replay": ("recording.replay", "publish a recording onto a NATS as a live fleet, or "
+               "compare policies on its decisions (--what-if)"),
     "nats-config": ("lig.nats_config", "write per-service NATS users with least privilege"),
 }
 

@@ -11,6 +11,10 @@ for prompt-aware policies also ``prompt_tokens``, ``max_tokens``, ``prefix_block
 blocks of the prompt were hashed) and ``prefix_hits`` (pod name -> leading blocks the prefix
 index believes it holds). Scorer pipelines (``prefix-aware``) also show every candidate's
 weighted total and each scorer's score.
+
+``--recording FILE --request-id ID`` explains a recorded decision instead: the pods, request,
+policy and random draw come from the flight record (``lig record``; docs/recording.md), and the
+output is the same, plus the recorded pick, whether the re-run agrees, and the outcome.
 """
 
 from __future__ import annotations
@@ -92,10 +96,12 @@ class ExplainOutput(msgspec.Struct):
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``lig explain``."""
-    parser.add_argument("--pods", required=True, type=Path, help="JSON list of pods")
-    parser.add_argument("--request", required=True, type=Path, help="JSON request object")
-    parser.add_argument("--policy", default=DEFAULT_POLICY_NAME, choices=policy_names(),
-                        help="scheduling policy (default: lig picker's, %(default)s)")
+    parser.add_argument("--pods", type=Path, help="JSON list of pods (required without "
+                                                   "--recording)")
+    parser.add_argument("--request", type=Path, help="JSON request object (required without "
+                                                      "--recording)")
+    parser.add_argument("--policy", default=argparse.SUPPRESS, choices=policy_names(),
+                        help=f"scheduling policy (default: lig picker's, {DEFAULT_POLICY_NAME})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=None, help="seed of the final random pick")
     parser.add_argument(
@@ -106,15 +112,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="policy parameter (repeatable), e.g. queueing_threshold_lora=20; "
         "VALUE is read as JSON when it parses, else as a string",
     )
+    recorded = parser.add_argument_group(
+        "a recorded decision",
+        "explain a decision of a recording ('lig record') instead of --pods/--request: its "
+        "pods, request, policy and random draw are the recorded ones")
+    recorded.add_argument("--recording", type=Path, metavar="FILE",
+                          help="a recording written by 'lig record'")
+    recorded.add_argument("--request-id", metavar="ID",
+                          help="the request's x-request-id (Envoy returns it to the client); "
+                               "exit 1 when the recording has no decision for it")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the policy once and print the explanation; 2 on bad input."""
+    """Run the policy once and print the explanation; 2 on bad input, 1 for a request id the
+    recording does not hold."""
+    if args.recording is not None or args.request_id is not None:
+        return _run_recorded(args)
+    if args.pods is None or args.request is None:
+        print("lig explain: --pods and --request are required (or --recording FILE "
+              "--request-id ID)", file=sys.stderr)
+        return 2
     try:
         pods = _read_pods(args.pods)
         request = _read(args.request, RequestFile)
         params = _parse_params(args.param)
-        policy = build_policy(PolicyConfig(name=args.policy, params=params), _rng(args.seed))
+        policy = build_policy(PolicyConfig(name=getattr(args, "policy", DEFAULT_POLICY_NAME),
+                                           params=params), _rng(args.seed))
     except InputError as exc:
         print(f"lig explain: {exc}", file=sys.stderr)
         return 2
@@ -135,19 +158,41 @@ def run(args: argparse.Namespace) -> int:
     decision = policy.schedule(scheduling_request, pods, explain=True)
     resolved = RequestEntry(request.model, scheduling_request.target_model, request.criticality)
     if args.json:
-        output = ExplainOutput(
-            policy=policy.name,
-            request=resolved,
-            candidates=[pod.name for pod in decision.candidates],
-            pick=decision.pick.name if decision.pick else None,
-            shed=decision.shed,
-            steps=list(decision.steps),
-            scores=list(decision.scores),
-        )
-        print(msgspec.json.encode(output).decode())
+        print(msgspec.json.encode(explain_output(policy.name, resolved, decision)).decode())
     else:
-        print(_render(policy.name, resolved, len(pods), decision))
+        print(render(policy.name, resolved, len(pods), decision))
     return 0
+
+
+def _run_recorded(args: argparse.Namespace) -> int:
+    # Imported here: the file-based explain does not pay for the recording reader.
+    from lig.explain_recording import run_recorded
+
+    given = [flag for flag, value in (("--pods", args.pods), ("--request", args.request),
+                                      ("--policy", getattr(args, "policy", None)),
+                                      ("--seed", args.seed is not None),
+                                      ("--param", args.param)) if value]
+    if given:
+        print(f"lig explain: {given[0]} cannot be combined with --recording (the recording "
+              "holds the pods, request, policy and draw)", file=sys.stderr)
+        return 2
+    if args.recording is None or args.request_id is None:
+        print("lig explain: --recording and --request-id go together", file=sys.stderr)
+        return 2
+    return run_recorded(args.recording, args.request_id, args.json)
+
+
+def explain_output(policy: str, request: RequestEntry, decision: Decision) -> ExplainOutput:
+    """What ``--json`` prints for one explained decision."""
+    return ExplainOutput(
+        policy=policy,
+        request=request,
+        candidates=[pod.name for pod in decision.candidates],
+        pick=decision.pick.name if decision.pick else None,
+        shed=decision.shed,
+        steps=list(decision.steps),
+        scores=list(decision.scores),
+    )
 
 
 T = TypeVar("T")
@@ -222,7 +267,8 @@ def _rng(seed: int | None) -> random.Random:
     return random.Random(seed)
 
 
-def _render(policy: str, request: RequestEntry, pod_count: int, decision: Decision) -> str:
+def render(policy: str, request: RequestEntry, pod_count: int, decision: Decision) -> str:
+    """The explanation as text: the request, each step, scores, candidates and the pick."""
     lines = [
         f"policy {policy} on {pod_count} pods; request model={request.model} "
         f"target_model={request.target_model} criticality={request.criticality.value}",

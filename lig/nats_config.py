@@ -8,8 +8,9 @@ Writes, into DIR:
 - ``<service>.env``: that service's ``LIG_NATS_USER`` and ``LIG_NATS_PASSWORD`` (the variables
   every ``lig`` service reads), for an env file, a Kubernetes Secret or ``set -a; . FILE``.
 
-Passwords are random (32 bytes of ``secrets``); running the command again keeps the passwords
-already in DIR, so the server and the services stay in step. Every file is written mode 0600.
+Passwords are random (32 bytes of ``secrets``, URL-safe base64) and never start with ``-``, so
+``--nats-password VALUE`` parses; running the command again keeps the passwords already in DIR,
+so the server and the services stay in step. Every file is written mode 0600.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import msgspec
 
 from lig.nats_permissions import SERVICES, Permissions, service_permissions
 from shared.subjects import DEFAULT_PREFIX, Subjects
+
+PASSWORD_BYTES = 32
 
 
 class NatsUser(msgspec.Struct, frozen=True):
@@ -71,7 +74,7 @@ def write_config(out: Path, subjects: Subjects, replay: Subjects) -> list[NatsUs
     out.mkdir(parents=True, exist_ok=True)
     users = [
         NatsUser(user=f"{subjects.prefix}-{service}",
-                 password=_existing_password(out / f"{service}.env") or secrets.token_urlsafe(32),
+                 password=_existing_password(out / f"{service}.env") or new_password(),
                  permissions=service_permissions(service, subjects, replay))
         for service in SERVICES
     ]
@@ -80,6 +83,19 @@ def write_config(out: Path, subjects: Subjects, replay: Subjects) -> list[NatsUs
         _write_private(out / f"{service}.env",
                        f"LIG_NATS_USER={user.user}\nLIG_NATS_PASSWORD={user.password}\n")
     return users
+
+
+def new_password() -> str:
+    """A random password (256 bits, URL-safe base64) that does not start with ``-``.
+
+    argparse reads a value starting with ``-`` as a flag, so ``--nats-password -x...`` fails to
+    parse. Drawing again when the first character is ``-`` (1 draw in 64) keeps every other
+    password equally likely: the strength lost is log2(64/63), about 0.02 bits.
+    """
+    while True:
+        password = secrets.token_urlsafe(PASSWORD_BYTES)
+        if not password.startswith("-"):
+            return password
 
 
 def render_authorization(users: list[NatsUser]) -> str:

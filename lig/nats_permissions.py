@@ -8,7 +8,7 @@ What each service may do (``P`` is the subject prefix, ``B`` the registry bucket
 | registry | ``$KV.B.>`` (puts, deletes) | replies | creates, updates and reads ``KV_B`` |
 | collector | ``P.metrics.>``, ``P.collectors.>`` | ``P.collectors.*`` | manages ``S``; reads KV |
 | kv-events | ``P.kvblocks.>``, ``P.kvevents.>`` | ``P.kvevents.*`` | manages ``P_KVBLOCKS``; KV |
-| picker | ``P.decisions.>`` | ``P.metrics.>``, ``P.kvblocks.>``, ``P.decisions.>`` | ``KV_B`` |
+| picker | ``P.decisions.>``, ``P.records.>`` | ``P.{metrics,kvblocks,decisions}.>`` | ``KV_B`` |
 | status | nothing | ``P.metrics.>``, ``P.kvblocks.>``, ``P.collectors.*`` | reads all three |
 | replay | everything above, under its own prefix only | same | same, on its own bucket/stream |
 
@@ -16,7 +16,8 @@ JetStream is reached by requests to ``$JS.API.<verb>.<stream>...``; the reply co
 client's ``_INBOX.>``. No user may *publish* to ``_INBOX.>``: that would let it forge answers to
 another service's JetStream requests (a fake registry entry, say). Reading a KV bucket also
 needs consumer creation (its watcher), direct gets and flow-control replies on ``$JS.FC``.
-``status`` is also the account for ``lig record`` (read only). The collector creates all the
+``status`` is also the account for ``lig record`` (read only): the pickers' decision records
+(``P.records.>``) are recorded in ``P_DECISIONS``, which it reads. The collector creates all the
 recording streams; the registry recording sources the bucket's stream inside the server, which
 needs no client permission on the bucket beyond creating the sourcing stream.
 """
@@ -81,6 +82,12 @@ def decisions(subjects: Subjects) -> str:
     return f"{subjects.prefix}.decisions.>"
 
 
+def records(subjects: Subjects) -> str:
+    """Subjects of the pickers' decision records (the flight recorder, recorded in
+    ``P_DECISIONS``)."""
+    return f"{subjects.prefix}.records.>"
+
+
 def _recordings(subjects: Subjects, rules: Callable[[str], list[str]]) -> list[str]:
     """``rules`` applied to every recording stream."""
     return [rule for stream in (subjects.metrics_stream, subjects.decisions_stream,
@@ -108,7 +115,7 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
                    *_manage_stream(subjects.kv_blocks_stream), *_read_stream(bucket)]
         subscribe = [subjects.all_kv_events_heartbeats()]
     elif service == "picker":
-        publish = [decisions(subjects), *_read_stream(bucket)]
+        publish = [decisions(subjects), records(subjects), *_read_stream(bucket)]
         subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(), decisions(subjects)]
     elif service == "status":
         publish = [*_read_stream(bucket), *_recordings(subjects, _read_stream),

@@ -137,6 +137,14 @@ async def merged(*sources: AsyncIterator[tuple[int, int, Kind, Entry]]
         await advance(index)
 
 
+def recorded_decisions(subjects: Subjects, pool: str | None) -> str:
+    """The subjects to export from the decision recording: the decision stream's and the
+    decision records' (``<prefix>.decisions.<pool>``, ``<prefix>.records.<pool>``) of ``pool``,
+    or of every pool. The stream holds nothing else, so one filter takes both, in stored
+    order."""
+    return f"{subjects.prefix}.*.{escape_token(pool) if pool else '*'}"
+
+
 async def export(settings: NatsSettings, window: Window, out: BinaryIO, pool: str | None
                  ) -> dict[str, int]:
     """Write the window to ``out``; returns the number of entries of each kind."""
@@ -147,7 +155,7 @@ async def export(settings: NatsSettings, window: Window, out: BinaryIO, pool: st
         changes = sorted(changes_in(revisions, window.from_ns, window.to_ns),
                          key=lambda item: (item.time_ns, item.bucket_seq))
         metrics = subjects.pool_metrics(pool) if pool else subjects.all_metrics()
-        decisions = subjects.decisions(pool) if pool else subjects.all_decisions()
+        decisions = recorded_decisions(subjects, pool)
         writer = Writer(out, FileHeader(time.time_ns(), window.from_ns, window.to_ns,
                                         subjects.prefix, pool, socket.gethostname()))
         for item in state_at(revisions, window.from_ns):

@@ -4,7 +4,8 @@ The registry state is written into the bucket at once; snapshots and registry ch
 with their recorded spacing divided by ``--speed``, every snapshot's scrape time shifted by
 (now - window start) so a picker or ``lig status`` sees fresh pods. Decisions are not
 published: a live picker would count them as a peer's load. The file is streamed (bounded
-memory); SIGTERM stops at once.
+memory); SIGTERM stops at once. ``--what-if`` compares policies on the recorded decisions
+offline instead (:mod:`recording.whatif_cli`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from recording import whatif_cli
 from recording.connection import connect_within
 from recording.fileformat import Entry, FileHeader, Kind, RecordingError, read_entries, read_header
 from shared.logs import setup_logging
@@ -54,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="replay X times faster than recorded (0.5: half as fast)")
     add_nats_arguments(parser)
     parser.add_argument("--log-level", default="WARNING", help="logging level")
+    whatif_cli.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("lig.nats").setLevel(logging.ERROR)
     if not args.speed > 0:
         print("lig replay: --speed must be > 0", file=sys.stderr)
+        return 2
+    if not args.what_if and (flag := whatif_cli.misused(args)):
+        print(f"lig replay: {flag} needs --what-if", file=sys.stderr)
         return 2
     try:
         source = open(args.file, "rb")  # noqa: SIM115 - closed below, after the replay
@@ -76,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         except RecordingError as exc:
             print(f"lig replay: {args.file}: {exc}", file=sys.stderr)
             return 2
+        if args.what_if:
+            return whatif_cli.run(args, source, header)
         settings = settings_from_args(args)
         return run_service(lambda stop: _replay_and_report(settings, header, source, args.speed,
                                                            args.file, stop))

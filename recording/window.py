@@ -55,3 +55,9 @@ def window_from(since: str | None, start: str | None, end: str | None, now_ns: i
     if window.to_ns <= window.from_ns:
         raise ValueError("the window is empty: --to must be after --from")
     return window
+
+
+def format_time(time_ns: int) -> str:
+    """``2026-12-01T14:03:00.123Z``: unix nanoseconds as UTC ISO 8601, to the millisecond."""
+    moment = datetime.datetime.fromtimestamp(time_ns / 1e9, tz=datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"

@@ -6,6 +6,10 @@ Two modes:
   ``results.json``, ``results.md`` and ``<workload>.png`` to ``--out`` and prints the table;
 - ``--sweep default``: the sweep of ``docs/benchmarks.md``; rewrites that document's numbers and
   plots in place (``--doc``).
+
+``--trace-from-recording FILE`` makes the first mode play the arrivals of a flight recording
+(``lig record``) instead of a workload preset: by default at the recorded rate, on as many pods
+as the recorded pool had (``scheduling_bench/recorded_trace.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ import msgspec
 
 from scheduling import PolicyConfigError, build_policy, policy_names
 from scheduling_bench import default_sweep, report
+from scheduling_bench.recorded_trace import (
+    DEFAULT_OUTPUT_TOKENS,
+    RecordedTrace,
+    describe,
+    read_recorded_trace,
+)
 from scheduling_bench.runner import (
     DEFAULT_POLICY,
     ORACLE_SUFFIX,
@@ -50,6 +60,13 @@ _WORKLOAD_FLAGS: dict[str, tuple[type, str]] = {
     "critical_fraction": (float, "share of Critical requests"),
     "sheddable_fraction": (float, "share of Sheddable requests"),
 }
+# Of those, the ones a recording's arrivals leave no room for.
+_SYNTHETIC_FLAGS = ("burstiness", "adapters", "zipf", "prefix_groups", "prefix_tokens",
+                    "critical_fraction", "sheddable_fraction")
+DEFAULT_WORKLOAD = "chat"
+DEFAULT_RATES = "100,200,300"
+DEFAULT_DURATION = 120.0
+DEFAULT_PODS = 8
 
 
 class UsageError(Exception):
@@ -67,7 +84,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--doc", type=Path, default=Path("docs/benchmarks.md"), help="document --sweep rewrites"
     )
     parser.add_argument(
-        "--workload", default="chat", choices=list(WORKLOADS), help="workload preset"
+        "--workload",
+        choices=list(WORKLOADS),
+        default=argparse.SUPPRESS,  # absent unless given: a recording takes no preset
+        help=f"workload preset (default: {DEFAULT_WORKLOAD})",
+    )
+    parser.add_argument(
+        "--trace-from-recording",
+        metavar="FILE",
+        help="play the arrivals of a flight recording (lig record) instead of a preset: each "
+        "recorded decision of the pool arrives at its recorded time (rescaled by --rates; "
+        "default: the recorded rate) with its target model, criticality, prompt tokens (usage, "
+        "else the picker's estimate) and output tokens (usage, else max_tokens, else "
+        f"{DEFAULT_OUTPUT_TOKENS}); prompts play as unique text (recorded prefix sharing is "
+        "not reproduced)",
+    )
+    parser.add_argument(
+        "--pool",
+        default=argparse.SUPPRESS,
+        help="with --trace-from-recording: the recorded pool to play (default: the only pool "
+        "with decision records)",
     )
     parser.add_argument(
         "--policies",
@@ -79,8 +115,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "on every pod's exact state at decision time (no scrape delay): the bound no real "
         "picker can beat",
     )
-    parser.add_argument("--rates", default="100,200,300", help="comma-separated requests/s")
-    parser.add_argument("--pods", type=int, default=8, help="simulated vLLM pods")
+    # The next three are absent unless given: their defaults depend on --trace-from-recording.
+    parser.add_argument(
+        "--rates",
+        default=argparse.SUPPRESS,
+        help=f"comma-separated requests/s (default: {DEFAULT_RATES}; with "
+        "--trace-from-recording: the recorded rate, other rates scale its arrival times)",
+    )
+    parser.add_argument(
+        "--pods",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"simulated vLLM pods (default: {DEFAULT_PODS}; with --trace-from-recording: as "
+        "many as the recorded pool's endpoints)",
+    )
     parser.add_argument("--pickers", type=int, default=1, help="picker replicas")
     parser.add_argument(
         "--decision-delay",
@@ -96,7 +144,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="replicas do not share decisions, each counts only its own requests "
         "(lig picker --no-shared-decisions)",
     )
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=argparse.SUPPRESS,
+        help=f"seconds of arrivals (default: {DEFAULT_DURATION:g}; with --trace-from-recording: "
+        "all recorded arrivals)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seeds every random stream")
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="folder for results and plot"
@@ -131,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_default_sweep(args: argparse.Namespace) -> int:
     if not args.trace:
         raise UsageError(f"--sweep default replays a trace: pass --trace PATH ({TRACE_HELP})")
+    if args.trace_from_recording:
+        raise UsageError("--sweep default runs its own workloads: no --trace-from-recording")
     if not args.doc.is_file():
         raise UsageError(f"{args.doc}: no such document")
     _require_matplotlib()
@@ -142,13 +198,25 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    workload = _workload(args)
+    recorded = _recorded_trace(args) if args.trace_from_recording else None
+    if hasattr(args, "pool") and recorded is None:
+        raise UsageError("--pool names a recorded pool: use it with --trace-from-recording")
+    workload = _workload(args) if recorded is None else _recorded_workload(args, recorded)
     labels = [name.strip() for name in args.policies.split(",") if name.strip()]
     choices = [parse_policy(label) for label in labels]
     for choice in choices:  # fail on a bad name before any run starts
         build_policy(choice.policy, random.Random(0))
-    rates = _numbers(args.rates, "--rates")
-    if args.pods < 1 or args.pickers < 1 or args.duration <= 0 or args.jobs < 1:
+    given_rates: str | None = getattr(args, "rates", None)
+    if given_rates is not None:
+        rates = _numbers(given_rates, "--rates")
+    else:
+        rates = [recorded.rate] if recorded else _numbers(DEFAULT_RATES, "--rates")
+    if hasattr(args, "pods"):
+        pods: int = args.pods
+    else:  # a recording without endpoints or views of pods gets the usual fleet
+        pods = (recorded.pods if recorded else 0) or DEFAULT_PODS
+    duration: float | None = getattr(args, "duration", None)
+    if pods < 1 or args.pickers < 1 or args.jobs < 1 or (duration is not None and duration <= 0):
         raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
     if args.decision_delay < 0:
         raise UsageError("--decision-delay must be >= 0")
@@ -162,9 +230,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
             shared_decisions=args.shared_decisions,
             decision_delay=args.decision_delay,
             rate=rate,
-            duration=args.duration,
+            duration=_duration(duration, recorded, rate),
             seed=args.seed,
-            pods=args.pods,
+            pods=pods,
             pickers=args.pickers,
             scrape_interval=args.scrape_interval,
             propagation_delay=args.propagation_delay,
@@ -179,11 +247,13 @@ def _run_sweep(args: argparse.Namespace) -> int:
     table = report.markdown_table(results)
     if report.has_mixed_criticality(results):
         table += "\n" + report.criticality_table(results)
+    if recorded is not None:
+        table = describe(recorded) + "\n\n" + table
     (args.out / "results.md").write_text(table)
     written = [args.out / "results.json", args.out / "results.md"]
     if not args.no_plots:
         image = args.out / f"{workload.name}.png"
-        title = f"{workload.name}: {args.pods} pods, {args.pickers} picker(s), {profile.name}"
+        title = f"{workload.name}: {pods} pods, {args.pickers} picker(s), {profile.name}"
         report.plot(results, title, image)
         written.append(image)
     print(table)
@@ -197,15 +267,55 @@ def _require_matplotlib() -> None:
         raise UsageError("plots need matplotlib: pip install -e '.[bench]', or pass --no-plots")
 
 
+def _recorded_trace(args: argparse.Namespace) -> RecordedTrace:
+    """The recording's trace, after checking no flag asks for what a recording fixes."""
+    given = [f"--{field.replace('_', '-')}" for field in _SYNTHETIC_FLAGS
+             if getattr(args, field) is not None]
+    if hasattr(args, "workload") or args.trace:
+        given.insert(0, "--workload" if hasattr(args, "workload") else "--trace")
+    if given:
+        raise UsageError(f"--trace-from-recording plays the recorded requests: {', '.join(given)} "
+                         "cannot apply")
+    return read_recorded_trace(args.trace_from_recording, getattr(args, "pool", None))
+
+
+def _recorded_workload(args: argparse.Namespace, trace: RecordedTrace) -> Workload:
+    """The workload playing ``trace``: its adapters, and the recorded pods' adapter slots unless
+    ``--max-loras`` says otherwise."""
+    slots = args.max_loras if args.max_loras is not None else trace.max_lora
+    workload = Workload(
+        name="recording",
+        description=f"the arrivals of pool {trace.pool} recorded in {trace.path}",
+        recording=str(Path(trace.path).resolve()),
+        recording_pool=trace.pool,
+        adapters=len(trace.adapters),
+        max_cpu_loras=args.max_cpu_loras,
+    )
+    if slots:
+        workload = msgspec.structs.replace(workload, max_loras=slots)
+    return workload.validate()
+
+
+def _duration(given: float | None, trace: RecordedTrace | None, rate: float) -> float:
+    """``--duration`` (``given``), else every recorded arrival at ``rate`` (one mean gap past the
+    last), else the default."""
+    if given is not None:
+        return given
+    if trace is not None:
+        return len(trace.arrivals) / rate
+    return DEFAULT_DURATION
+
+
 def _workload(args: argparse.Namespace) -> Workload:
-    workload = WORKLOADS[args.workload]
+    name = getattr(args, "workload", DEFAULT_WORKLOAD)
+    workload = WORKLOADS[name]
     overrides = {
         field: getattr(args, field) for field in _WORKLOAD_FLAGS if getattr(args, field) is not None
     }
     if args.trace:
         read_trace(args.trace)  # a bad trace fails here, before any run starts
         overrides["trace"] = args.trace
-    elif args.workload == "trace":
+    elif name == "trace":
         raise UsageError(f"--workload trace needs --trace PATH ({TRACE_HELP})")
     return msgspec.structs.replace(workload, **overrides).validate()
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 
 from scheduling_bench.prompts import request_body
+from scheduling_bench.recorded_trace import read_recorded_trace
 from shared.schemas import Criticality
 from simulator.engine import RequestSpec, SyntheticPrompt
 
@@ -79,6 +80,12 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Mean seconds (exponential) between a turn's answer and the next turn's arrival."""
     chat: bool = True
     """Requests are chat completions (a message list); False: completions (one prompt text)."""
+    recording: str | None = None
+    """A flight recording (``lig record``) whose decisions are the arrivals: recorded times
+    (rescaled to the rate), target models, criticalities and token sizes, played as recorded
+    (no length caps; see ``scheduling_bench/recorded_trace.py``)."""
+    recording_pool: str | None = None
+    """The recorded pool to play (None: the recording's only pool with decision records)."""
 
     def validate(self) -> Workload:
         """Return self, or raise ValueError naming the first field that cannot work."""
@@ -95,6 +102,10 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"workload {self.name}: adapters must be >= 0, max_loras >= 1")
         if (self.prefix_groups > 0) != (self.prefix_tokens > 0):
             raise ValueError(f"workload {self.name}: set both prefix_groups and prefix_tokens")
+        if self.recording is not None and (self.trace is not None or self.turns > 1
+                                           or self.prefix_groups):
+            raise ValueError(f"workload {self.name}: a recording's arrivals are the requests: "
+                             "no trace, turns or shared prefixes with it")
         shares = (self.critical_fraction, self.sheddable_fraction)
         if min(shares) < 0 or sum(shares) > 1:
             raise ValueError(
@@ -261,6 +272,8 @@ def generate(workload: Workload, rate: float, duration: float, seed: int) -> lis
     workload.validate()
     if rate <= 0 or duration <= 0:
         raise ValueError("rate and duration must be > 0")
+    if workload.recording is not None:
+        return _recorded(workload, workload.recording, rate, duration)
     arrival_rng = random.Random(f"arrivals/{seed}")
     content_rng = random.Random(f"content/{seed}")
     if workload.trace is None:
@@ -288,6 +301,29 @@ def generate(workload: Workload, rate: float, duration: float, seed: int) -> lis
             segments, roles = (system, *segments), ("system", *roles)
         requests.append(_request(workload, time, f"r{index}", segments, roles, output, adapter,
                                  criticality))
+    return requests
+
+
+def _recorded(workload: Workload, recording: str, rate: float,
+              duration: float) -> list[BenchRequest]:
+    """The recording's arrivals in ``[0, duration)``, their times scaled from the recorded rate
+    to ``rate``. A recorded LoRA target plays as the simulated adapter of the same popularity
+    rank (``adapter-0`` the most requested); any other target as the base model."""
+    trace = read_recorded_trace(recording, workload.recording_pool)
+    if workload.adapters < len(trace.adapters):
+        raise ValueError(f"workload {workload.name}: the recording asks for "
+                         f"{len(trace.adapters)} adapters, the pods have {workload.adapters}")
+    simulated = dict(zip(trace.adapters, adapter_names(len(trace.adapters)), strict=True))
+    scale = trace.rate / rate  # run seconds per recorded second
+    requests = []
+    for index, arrival in enumerate(trace.arrivals):
+        time = arrival.time * scale
+        if time >= duration:
+            break
+        requests.append(_request(
+            workload, time, f"r{index}", ((_OWN_TEXT_SEED + index, arrival.prompt_tokens),),
+            ("user",), arrival.output_tokens, simulated.get(arrival.target_model),
+            arrival.criticality))
     return requests
 
 

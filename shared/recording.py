@@ -28,17 +28,18 @@ from shared.replication import align_replicas
 log = logging.getLogger("lig.recording")
 
 
-def recording_config(name: str, subject: str | None, description: str, max_age_s: float,
-                     max_bytes: int | None = None, replicas: int = 1,
+def recording_config(name: str, subject: str | list[str] | None, description: str,
+                     max_age_s: float, max_bytes: int | None = None, replicas: int = 1,
                      sources: Sequence[str] = ()) -> StreamConfig:
     """File-backed, ``replicas`` copies, oldest first out past ``max_age_s`` (or ``max_bytes``
-    when given; None leaves the size unbounded). It captures ``subject``, or (``subject`` None)
-    copies the streams named in ``sources``: JetStream forbids two streams with overlapping
-    subjects, so recording another stream's messages means sourcing that stream."""
+    when given; None leaves the size unbounded). It captures ``subject`` (one or a list), or
+    (``subject`` None) copies the streams named in ``sources``: JetStream forbids two streams
+    with overlapping subjects, so recording another stream's messages means sourcing that
+    stream."""
     return StreamConfig(
         name=name,
         description=description,
-        subjects=[subject] if subject is not None else None,
+        subjects=[subject] if isinstance(subject, str) else subject,
         sources=[StreamSource(name=source) for source in sources] or None,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,

@@ -29,7 +29,7 @@ async def test_the_picker_link_applies_peer_batches_but_never_sees_its_own(
     settings = settings_from(parser.parse_args(["--pool", POOL]))
     metrics, subjects = PickerMetrics(CollectorRegistry()), Subjects()
     publisher = decision_publisher(settings, subjects, metrics)
-    assert publisher is not None
+    assert publisher is not None and publisher.decisions is not None
     link = _NatsLink(NatsSettings(url=nats_server.url), subjects, RegistryView(),
                      build_gateway(settings, metrics, publisher), metrics, publisher)
     accepted: list[str] = []  # picker ids of the batches the link's sink was given
@@ -56,7 +56,8 @@ async def test_the_picker_link_applies_peer_batches_but_never_sees_its_own(
         await _wait_for(lambda: "peer" in accepted, publish=lambda: nc.publish(
             subjects.decisions(POOL), peer))
         for request_id in range(10):
-            publisher(POOL, RoutedEvent(request_id, "pod-a", "m", Criticality.STANDARD))
+            publisher.decisions(POOL, RoutedEvent(request_id, "pod-a", "m",
+                                                  Criticality.STANDARD))
         await _wait_for(lambda: publisher.picker_id in seen)
         await asyncio.sleep(0.1)  # an echo would have arrived by now
     finally:

@@ -287,8 +287,9 @@ def test_shared_decisions_is_on_by_default_and_turned_off_by_flag_or_env(
     settings = settings_from(parser.parse_args([*argv, "--pool", POOL]))
     metrics = PickerMetrics(CollectorRegistry())
     publisher = decision_publisher(settings, Subjects(), metrics)
-    assert (publisher is not None) is shared
+    assert publisher is not None  # it publishes the decision records, too
+    assert (publisher.decisions is not None) is shared
     gw = build_gateway(settings, metrics, publisher)
-    assert gw.on_decision is publisher
-    if publisher is not None:
+    assert gw.on_decision is publisher.decisions
+    if publisher.decisions is not None:
         assert gw.peers.picker_id == publisher.picker_id != ""

@@ -74,6 +74,8 @@ async def test_export_holds_the_window_of_one_pool_and_its_registry_at_the_start
             await nc.publish(SUBJECTS.metrics("b", "pod-9"), snapshot("b", "pod-9", seq, seq))
             await nc.publish(SUBJECTS.decisions("a"), b"opaque %d" % seq)
             await nc.publish(SUBJECTS.decisions("b"), b"other %d" % seq)
+            await nc.publish(SUBJECTS.records("a"), b"record %d" % seq)
+            await nc.publish(SUBJECTS.records("b"), b"other record %d" % seq)
         await nc.flush()
         await asyncio.sleep(0.3)
         await kv.delete(endpoints_key("a"))
@@ -100,12 +102,22 @@ async def test_export_holds_the_window_of_one_pool_and_its_registry_at_the_start
     ]
     assert of(Kind.SNAPSHOT) == [
         (Kind.SNAPSHOT, "metrics.a.pod-1", snapshot("a", "pod-1", seq, seq)) for seq in range(3)]
-    assert of(Kind.DECISION) == [(Kind.DECISION, "decisions.a", b"opaque %d" % seq)
-                                 for seq in range(3)]
+    assert of(Kind.DECISION) == [
+        frame for seq in range(3) for frame in ((Kind.DECISION, "decisions.a", b"opaque %d" % seq),
+                                                (Kind.DECISION, "records.a", b"record %d" % seq))]
     # One time order: the state first, the delete (written last) at the end.
     assert found[2][0] == Kind.REGISTRY_CHANGE and found[-1][0] == Kind.REGISTRY_CHANGE
     times = [entry.time_ns for kind, entry in found if kind != Kind.REGISTRY_STATE]
     assert times == sorted(times) and times[0] > start
+
+    # Without --pool: every pool's decisions and records.
+    every = tmp_path / "all.ligrec"
+    result = await asyncio.to_thread(lig, "record", "--out", str(every), "--from",
+                                     str(start / 1e9), "--nats-url", nats_server.url)
+    assert result.returncode == 0, result.stderr
+    assert sorted(entry.name for kind, entry in entries(every)[1] if kind == Kind.DECISION) == [
+        name for name in ("decisions.a", "decisions.b", "records.a", "records.b")
+        for _ in range(3)]
 
     # A window in the future holds no message but the registry as it is then (endpoints.a was
     # deleted) and is still a valid file.

@@ -70,8 +70,11 @@ async def test_every_recording_stream_has_an_age_and_a_size_limit(nats_server: N
         # An existing snapshot recording from before the size limit gets one.
         await js.add_stream(name=SUBJECTS.metrics_stream, subjects=[SUBJECTS.all_metrics()],
                             max_age=3600)
+        # An existing decision recording from before the decision records gets their subject.
+        await js.add_stream(name=SUBJECTS.decisions_stream, subjects=[SUBJECTS.all_decisions()],
+                            max_age=600.0, max_bytes=SMALL.decisions)
         done = await ensure_recording(js, SUBJECTS, 600.0, max_bytes=SMALL)
-        assert done == {SUBJECTS.metrics_stream: "updated", SUBJECTS.decisions_stream: "created",
+        assert done == {SUBJECTS.metrics_stream: "updated", SUBJECTS.decisions_stream: "updated",
                         SUBJECTS.registry_stream: "created"}
         limits = {}
         for stream in STREAMS:
@@ -80,7 +83,8 @@ async def test_every_recording_stream_has_an_age_and_a_size_limit(nats_server: N
                               [source.name for source in config.sources or ()])
         assert limits == {
             SUBJECTS.metrics_stream: (600.0, SMALL.metrics, ["lig.metrics.>"], []),
-            SUBJECTS.decisions_stream: (600.0, SMALL.decisions, [SUBJECTS.all_decisions()], []),
+            SUBJECTS.decisions_stream: (600.0, SMALL.decisions,
+                                        [SUBJECTS.all_decisions(), SUBJECTS.all_records()], []),
             SUBJECTS.registry_stream: (600.0, SMALL.registry, None,
                                        [registry_source(SUBJECTS)]),
         }
@@ -112,7 +116,8 @@ async def test_recording_survives_a_nats_restart_with_or_without_its_store(
                 record_decisions_max_bytes=SMALL.decisions)):
             await counts.until(15, "recording", metrics=3, registry=2)
             await nc.publish(SUBJECTS.decisions("main"), b"decision 1")
-            await counts.until(5, "a decision recorded", decisions=1)
+            await nc.publish(SUBJECTS.records("main"), b"record 1")
+            await counts.until(5, "a decision and a record recorded", decisions=2)
             before = dict(counts.now)
 
             nats_server.restart()  # same store dir

@@ -491,6 +491,21 @@ def test_pods_outside_the_allowed_networks_are_left_out(caplog: pytest.LogCaptur
     assert "allowed-networks" in caplog.text and "not a network" in caplog.text
 
 
+def test_a_pod_whose_ip_is_not_an_address_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    # The API server validates pod IPs, but the registry must not trust it to: a host name or
+    # garbage would reach Envoy's original-destination cluster, which cannot resolve it.
+    state = KubeState()
+    state.apply(kube_objects.POOL, pool())
+    for name, ip in (("good", "10.1.0.1"), ("named", "pod-b.local"), ("any", "0.0.0.0")):
+        state.apply(kube_objects.POD, pod(name, ip, app="a"))
+    with caplog.at_level("WARNING"):
+        members = state.registry().endpoint_sets[0].endpoints
+    assert [e.name for e in members] == ["good"]
+    assert "Pod default/named left out of pool pool-a: 'pod-b.local' is not an IP address" \
+        in caplog.text
+    assert "Pod default/any left out of pool pool-a: '0.0.0.0' is the unspecified" in caplog.text
+
+
 def test_objectives_reach_their_pool_by_their_own_name() -> None:
     # The objective header names an InferenceObjective; its model-name annotation may differ.
     state = KubeState()

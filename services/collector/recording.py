@@ -4,8 +4,8 @@ Three streams, all file-backed, in ``replicas`` copies on a cluster (:mod:`share
 each with an age and a size limit (the oldest messages go first):
 
 - ``LIG_METRICS`` over ``<prefix>.metrics.>``: every snapshot;
-- ``LIG_DECISIONS`` over ``<prefix>.decisions.>``: what the pickers publish on the decision
-  stream;
+- ``LIG_DECISIONS`` over ``<prefix>.decisions.*`` and ``<prefix>.records.*``: what the pickers
+  publish on the decision stream, and their decision records (the flight recorder);
 - ``LIG_REGISTRY``: every registry change, *sourced* from the registry bucket's stream
   ``KV_<prefix>-registry``. JetStream forbids two streams with overlapping subjects, so the
   recording cannot listen on ``$KV.<bucket>.>`` itself; a source copies the bucket's messages
@@ -67,9 +67,9 @@ def recording_configs(subjects: Subjects, max_age_s: float, replicas: int = 1,
     return [
         stream_config(subjects, max_age_s, replicas, max_bytes.metrics),
         recording.recording_config(
-            subjects.decisions_stream, subjects.all_decisions(),
-            "the pickers' decisions, recorded for replay", max_age_s, max_bytes.decisions,
-            replicas),
+            subjects.decisions_stream, [subjects.all_decisions(), subjects.all_records()],
+            "the pickers' decisions and decision records, recorded for replay", max_age_s,
+            max_bytes.decisions, replicas),
         recording.recording_config(
             subjects.registry_stream, None, "every registry change, recorded for replay",
             max_age_s, max_bytes.registry, replicas, sources=[registry_source(subjects)]),

@@ -25,9 +25,12 @@ from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
 from services.picker import core
+from services.picker.batch_sender import BatchSender
 from services.picker.decision_stream import (
-    DecisionPublisher,
     DecisionSink,
+    Publishing,
+    decision_queue,
+    record_queue,
     subscribe_decisions,
 )
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
@@ -74,28 +77,41 @@ def stop_timeout(settings: PickerSettings) -> float:
 
 
 def build_gateway(settings: PickerSettings, metrics: PickerMetrics,
-                  decisions: DecisionPublisher | None = None) -> Gateway:
+                  publishing: Publishing | None = None) -> Gateway:
     """The decision core over the served pools (:mod:`services.picker.core`, also what
-    ``lig bench`` runs), reporting to the picker's metrics; ``decisions`` publishes its
-    decisions (None: not shared)."""
+    ``lig bench`` runs), reporting to the picker's metrics; ``publishing`` publishes its
+    decisions and records (None: neither)."""
+    decisions = publishing.decisions if publishing is not None else None
     return core.build_gateway(settings, hooks=core.CoreHooks(
         on_gray_exclusion=lambda pod, reason: metrics.gray_exclusions.labels(pod, reason).inc(),
         on_all_stale=metrics.all_stale.inc,
         on_conflicts=metrics.model_conflicts.set),
-        on_decision=decisions, picker_id=decisions.picker_id if decisions is not None else "")
+        on_decision=decisions,
+        picker_id=publishing.picker_id if decisions is not None else "",
+        on_record=publishing.records if publishing is not None else None)
 
 
 def decision_publisher(settings: PickerSettings, subjects: Subjects,
-                       metrics: PickerMetrics) -> DecisionPublisher | None:
-    """The decision stream's publisher under a fresh picker id (None with
-    ``--no-shared-decisions``): a restarted picker is a new peer, its old counts expire."""
-    if not settings.shared_decisions:
+                       metrics: PickerMetrics) -> Publishing | None:
+    """The decision stream's and the decision records' publisher under a fresh picker id
+    (None with both ``--no-shared-decisions`` and ``--no-record-decisions``): a restarted
+    picker is a new peer, its old counts expire."""
+    if not (settings.shared_decisions or settings.record_decisions):
         return None
     picker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    dropped = metrics.decisions_dropped
-    return DecisionPublisher(picker_id, subjects, delay=settings.decision_batch_delay,
-                             on_published=metrics.decisions_published.inc,
-                             on_dropped=lambda reason, count: dropped.labels(reason).inc(count))
+    sender = BatchSender(picker_id, delay=settings.decision_batch_delay)
+    decisions = records = None
+    if settings.shared_decisions:
+        dropped = metrics.decisions_dropped
+        decisions = decision_queue(
+            sender, subjects, on_published=metrics.decisions_published.inc,
+            on_dropped=lambda reason, count: dropped.labels(reason).inc(count))
+    if settings.record_decisions:
+        records_dropped = metrics.records_dropped
+        records = record_queue(
+            sender, subjects, on_published=metrics.records_published.inc,
+            on_dropped=lambda reason, count: records_dropped.labels(reason).inc(count))
+    return Publishing(sender, decisions, records)
 
 
 def grpc_server(reuse_port: bool) -> grpc.aio.Server:
@@ -219,11 +235,12 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
     """
     metrics = PickerMetrics(registry)
     subjects = Subjects(settings.nats.prefix)
-    decisions = decision_publisher(settings, subjects, metrics)
-    gateway = build_gateway(settings, metrics, decisions)
+    publishing = decision_publisher(settings, subjects, metrics)
+    gateway = build_gateway(settings, metrics, publishing)
     metrics.load_estimate.tables = lambda: {
         pool: router.pods for pool, router in gateway.routers.items()}
-    processor = Processor(gateway, metrics, settings.destination_header)
+    processor = Processor(gateway, metrics, settings.destination_header,
+                          record_responses=settings.record_responses)
     tls = settings.tls
     host = settings.host
     shutdown = _Shutdown()
@@ -240,7 +257,7 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         # an "Event loop is closed" traceback on exit.
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
-        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions)
+        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, publishing)
         tasks = (asyncio.create_task(nats.run(stop)),
                  asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
         # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
@@ -254,7 +271,7 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         life.on_close(lambda: health.stop(0), within=1.0)
         if on_started is not None:
             on_started()
-        _log_started(settings, ext_proc.port, health_port, metrics_port, decisions)
+        _log_started(settings, ext_proc.port, health_port, metrics_port, publishing)
         lost = await _until_stopped_or_lost(stop, ext_proc)
         if lost is not None:
             # The ext_proc port no longer answers: report it at once and exit, so that Envoy,
@@ -269,18 +286,21 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
 
 
 def _log_started(settings: PickerSettings, grpc_port: int, health_port: int,
-                 metrics_port: int | None, decisions: DecisionPublisher | None) -> None:
+                 metrics_port: int | None, publishing: Publishing | None) -> None:
     tls = settings.tls
     host = settings.host
     log.info("picker for %s: ext_proc (%s server, %s) on %s:%d, health on %s:%d, metrics "
-             "on %s, NATS %s, load estimate %s, shared decisions %s",
+             "on %s, NATS %s, load estimate %s, shared decisions %s, decision records %s",
              "pools " + ", ".join(settings.pools) if settings.pools else "every pool",
              settings.server,
              "plaintext" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
              host, grpc_port, host, health_port,
              f"{host}:{metrics_port}" if metrics_port else "(off)", settings.nats.url,
              "on" if settings.load_estimate else "off",
-             f"on (picker id {decisions.picker_id})" if decisions is not None else "off")
+             f"on (picker id {publishing.picker_id})"
+             if publishing is not None and publishing.decisions is not None else "off",
+             ("on, with responses" if settings.record_responses else "on")
+             if settings.record_decisions else "off")
     log.info("pools served: %s; unknown models: %s",
              ", ".join(settings.pools) or "every pool of the registry",
              "rejected (404)" if settings.reject_unknown_models else
@@ -306,7 +326,7 @@ class _NatsLink:
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
                  gateway: Gateway, metrics: PickerMetrics,
-                 decisions: DecisionPublisher | None = None) -> None:
+                 publishing: Publishing | None = None) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -320,7 +340,7 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
-        self.decisions = decisions
+        self.publishing = publishing
         self.decision_sink = DecisionSink(
             gateway.apply_peer, on_undecodable=metrics.undecodable.labels("decisions").inc)
 
@@ -357,9 +377,10 @@ class _NatsLink:
             pools = [] if self._gateway.all_pools else list(self._gateway.routers)
             await subscribe(client, self._subjects, self.sink, pools)
             publishing = None
-            if self.decisions is not None:
-                await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
-                publishing = asyncio.create_task(self.decisions.run(client))
+            if self.publishing is not None:
+                if self.publishing.decisions is not None:
+                    await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
+                publishing = asyncio.create_task(self.publishing.sender.run(client))
             try:
                 await self.watcher.run(stop)
             finally:

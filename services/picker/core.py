@@ -23,7 +23,7 @@ import msgspec
 
 from services.picker.gray_pods import GrayPods
 from services.picker.pools import Gateway, UnknownModels
-from services.picker.routing import DecisionCallback, Router
+from services.picker.routing import DecisionCallback, RecordCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
 
@@ -39,7 +39,7 @@ class CoreHooks(msgspec.Struct, frozen=True):
 def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic, hooks: CoreHooks | None = None,
                   on_decision: DecisionCallback | None = None,
-                  picker_id: str = "") -> Gateway:
+                  picker_id: str = "", on_record: RecordCallback | None = None) -> Gateway:
     """The decision core over ``settings.pools`` (empty: every pool of the registry), with the
     settings' staleness, load estimate, gray-pod, fallback and unknown-model behaviour.
 
@@ -49,6 +49,7 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
     decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
     twice); peers' events are applied with ``Gateway.apply_peer`` and expire on ``clock``
     (``Gateway.expire_peers``, after ``settings.decision_request_ttl`` for a lone request).
+    ``on_record(pool, record)`` receives the flight recorder's records (None: not recording).
     """
     hooks = hooks if hooks is not None else CoreHooks()
     rng = rng if rng is not None else random.Random(settings.seed)
@@ -65,4 +66,4 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                             default_pool=settings.default_pool)
     return Gateway(settings.pools, make_router, unknown, rng, on_conflicts=hooks.on_conflicts,
                    on_decision=on_decision, picker_id=picker_id, clock=clock,
-                   request_ttl=settings.decision_request_ttl)
+                   request_ttl=settings.decision_request_ttl, on_record=on_record)

@@ -10,6 +10,8 @@ and the parsing of what a Gateway API gateway tells its endpoint picker over ext
   ``x-gateway-destination-endpoint-served``, the ``ip:port`` that actually answered.
 - Objective (request header): ``x-gateway-inference-objective`` (or llm-d's
   ``x-llm-d-inference-objective``) names an InferenceObjective.
+- Request id (request header): ``x-request-id``, which Envoy (and Gateway API gateways built on
+  it) generates when the client sent none; the picker quotes it in its decision records.
 
 Pure functions over protobuf messages; no network.
 """
@@ -24,6 +26,8 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 200  # characters kept: a client may send its own id, of any length
 
 
 def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
@@ -64,3 +68,13 @@ def objective(headers: pb.HttpHeaders) -> str | None:
             value = (header.raw_value or header.value.encode()).decode(errors="replace").strip()
             return value or None
     return None
+
+
+def request_id(headers: pb.HttpHeaders) -> str:
+    """The request's ``x-request-id`` (at most :data:`MAX_REQUEST_ID` characters; "" when
+    absent)."""
+    for header in headers.headers.headers:
+        if header.key == REQUEST_ID_HEADER:
+            value = header.raw_value or header.value.encode()
+            return value[:MAX_REQUEST_ID].decode(errors="replace")
+    return ""

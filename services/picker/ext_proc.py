@@ -48,7 +48,7 @@ from envoy.type.v3 import http_status_pb2
 
 from services.picker import epp
 from services.picker.observability import PickerMetrics
-from services.picker.pools import Gateway
+from services.picker.pools import Gateway, ResponseSeen
 from services.picker.responses import ResponseRewriter
 from services.picker.routing import Rejected, Routed, reject
 from shared.logs import RateLimitedLog
@@ -82,11 +82,19 @@ def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
 
 class Processor:
     """What every stream shares: the gateway (pools, routers, pod tables), metrics and prebuilt
-    answers."""
+    answers.
+
+    ``record_responses``: ask Envoy for every routed request's response headers and body, so
+    that the outcome records carry status, time to first byte and usage
+    (``--record-responses``); the gateway must be recording.
+    """
 
     def __init__(self, gateway: Gateway, metrics: PickerMetrics, destination_header: str,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 record_responses: bool = False) -> None:
         self.gateway = gateway
+        self.recording = gateway.on_record is not None
+        self.record_responses = record_responses and self.recording
         self.metrics = metrics
         self.header = destination_header.lower()
         self._clock = clock
@@ -127,12 +135,12 @@ class Processor:
 
     def route(self, body: bytes | None, subset: frozenset[str] | None = None,
               objective: str | None = None, method: str = "GET",
-              path: str = "/") -> Routed | Rejected:
+              path: str = "/", request_id: str = "") -> Routed | Rejected:
         """Route one request, counting the outcome. ``None``: it has no body; then ``method``
-        and ``path`` say what it asks. ``subset`` and ``objective`` as :meth:`Router.route`
-        takes them."""
+        and ``path`` say what it asks. ``subset``, ``objective`` and ``request_id`` as
+        :meth:`Router.route` takes them."""
         start = self._clock()
-        result = (self.gateway.route(body, subset, objective) if body is not None
+        result = (self.gateway.route(body, subset, objective, request_id) if body is not None
                   else self.gateway.route_bodiless(method, path, subset))
         self.metrics.decision_seconds.observe(self._clock() - start)
         if isinstance(result, Routed):
@@ -212,8 +220,9 @@ class Exchange:
     """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
 
     __slots__ = ("_chunks", "_held_bytes", "_held_chunks", "_hold_headers", "_objective", "_p",
-                 "_reports_status", "_request_mode", "_response_buffered", "_response_mode",
-                 "_rewrite_to", "_rewriter", "_served_seen", "_subset", "routed")
+                 "_reports_status", "_request_id", "_request_mode", "_response_buffered",
+                 "_response_mode", "_rewrite_to", "_rewriter", "_seen", "_served_seen",
+                 "_subset", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
@@ -231,6 +240,8 @@ class Exchange:
         self._subset: frozenset[str] | None = None  # the gateway's subset hint
         self._objective: str | None = None  # the InferenceObjective the request names
         self._served_seen = False
+        self._request_id = ""  # Envoy's x-request-id, when recording
+        self._seen: ResponseSeen | None = None  # what passed of the response, when recording
 
     def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
         """The answers to ``message`` (none while its answer must wait for more body)."""
@@ -270,9 +281,10 @@ class Exchange:
         usage = self._rewriter.usage if self._rewriter is not None else None
         if routed is not None:
             if usage is not None:
-                self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens)
+                self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens,
+                                         self._seen)
             else:
-                self._p.gateway.finished(routed)
+                self._p.gateway.finished(routed, response=self._seen)
         if usage is not None:
             if routed is not None:
                 self._p.metrics.count_tokens(routed.model, routed.registered, usage)
@@ -305,9 +317,11 @@ class Exchange:
                 path=_text(_header(headers, ":path")))),)
         # Only a request with a body is scheduled, so only it needs the objective header.
         self._objective = epp.objective(message.request_headers)
+        if self._p.recording:
+            self._request_id = epp.request_id(message.request_headers)
         if self._hold_headers:
             return ()
-        self._reports_status = self._p.gateway.wants_outcome()
+        self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
         if self._request_mode == STREAMED or self._reports_status:
             # STREAMED: Envoy would send the headers upstream before the body (and so the
             # destination) is known: ask for the body buffered instead. Chunks are still
@@ -363,11 +377,11 @@ class Exchange:
         self._chunks.append(last)
         whole = b"".join(self._chunks)
         self._chunks = []
-        result = self._p.route(whole, self._subset, self._objective)
+        result = self._p.route(whole, self._subset, self._objective, request_id=self._request_id)
         if isinstance(result, Rejected):
             return (self._p.immediate(result),)
         replies = [self._answer_headers_with(result)]
-        self._reports_status = self._p.gateway.wants_outcome()
+        self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
         replies.extend(_streamed_bodies(
             result.body if result.body is not None else whole, not with_trailers, request=True))
         if with_trailers:
@@ -375,7 +389,7 @@ class Exchange:
         return tuple(replies)
 
     def _answer_body(self, body: bytes, chunks: int) -> tuple[pb.ProcessingResponse, ...]:
-        result = self._p.route(body, self._subset, self._objective)
+        result = self._p.route(body, self._subset, self._objective, request_id=self._request_id)
         if isinstance(result, Rejected):
             return (self._p.immediate(result),)
         self._take(result)
@@ -417,12 +431,17 @@ class Exchange:
                 self._rewrite_to = requested.string_value
 
     def _response_headers(self, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, ...]:
+        if self._p.recording and self.routed is not None:
+            self._seen = ResponseSeen(_status(headers))
         if self._response_mode == DUPLEX:
             return self._duplex_response_headers(headers)
         if self._reports_status:
             self._reports_status = False
             if self.routed is not None:
                 self._p.gateway.responded(self.routed, _status(headers))
+                if (self._p.record_responses and not headers.end_of_stream
+                        and self._rewrite_to is None and self._response_mode == NONE):
+                    return (self._read_response(headers),)
             return (self._p.response_headers_continue,)  # the rewrite filters do the rest
         rewrite_to = self._rewrite_to
         if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
@@ -448,6 +467,19 @@ class Exchange:
         else:
             common.SetInParent()
         return (reply,)
+
+    def _read_response(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """``--record-responses``: ask for the body (BUFFERED JSON, STREAMED events) to read its
+        usage and first byte; nothing of it is changed."""
+        sse = _is_event_stream(headers)
+        self._rewriter = ResponseRewriter(None, sse)
+        reply = pb.ProcessingResponse()
+        reply.response_headers.response.SetInParent()
+        reply.mode_override.request_body_mode = self._request_mode
+        reply.mode_override.response_body_mode = STREAMED if sse else BUFFERED
+        self._response_mode = reply.mode_override.response_body_mode
+        self._response_buffered = not sse
+        return reply
 
     def _duplex_response_headers(self, headers: pb.HttpHeaders
                                  ) -> tuple[pb.ProcessingResponse, ...]:
@@ -476,6 +508,9 @@ class Exchange:
         return tuple(replies)
 
     def _response_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+        seen = self._seen
+        if seen is not None and not seen.first_byte_ns and body.body:
+            seen.first_byte_ns = time.perf_counter_ns()
         if self._response_mode == DUPLEX:
             new = (self._rewriter.feed(body.body, body.end_of_stream)
                    if self._rewriter is not None else None)

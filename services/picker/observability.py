@@ -94,6 +94,13 @@ class PickerMetrics:
             "lig_picker_decision_events_dropped", "Decisions not published, by reason "
             "(queue_full: more pending than the queue holds; nats_away: NATS disconnected)",
             ["reason"], registry=prometheus)
+        self.records_published = Counter(
+            "lig_picker_decision_records_published", "Decision and outcome records this picker "
+            "published for the flight recorder (<prefix>.records.<pool>)", registry=prometheus)
+        self.records_dropped = Counter(
+            "lig_picker_decision_records_dropped", "Decision and outcome records not published, "
+            "by reason (queue_full, nats_away, too_large: one record beyond NATS's max_payload)",
+            ["reason"], registry=prometheus)
         self.decisions_applied = Counter(
             "lig_picker_decision_events_applied", "Peer pickers' decisions applied to the load "
             "estimate (this picker's own, echoed back, are not counted)", registry=prometheus)

@@ -18,6 +18,8 @@ Each served pool keeps its own :class:`~services.picker.routing.Router` (policy,
 - **The decision stream**: ``on_decision(pool, event)`` hears of every request routed, finished
   or shed (the publisher of ``services/picker/decision_stream.py``); :meth:`Gateway.apply_peer`
   counts a peer picker's decisions in the pools' tables (``services/picker/peer_decisions.py``).
+- **The flight recorder**: ``on_record(pool, record)`` gets each router's decision records and,
+  when a routed request ends, its :class:`~scheduling.record.OutcomeRecord`.
 
 A picker given no pool serves every pool of the registry (pools appear as the registry publishes
 them, and are dropped once the registry has nothing left of them).
@@ -33,10 +35,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
+from scheduling.record import OutcomeRecord
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL, PeerDecisions
 from services.picker.routing import (
     Answered,
     DecisionCallback,
+    RecordCallback,
     Rejected,
     Routed,
     Router,
@@ -92,6 +96,7 @@ class Gateway:
     listens) hears of each request routed, finished or shed; ``picker_id`` names this picker in
     the decision stream, so that its own batches coming back are not counted twice; ``clock``
     times peers' silence and requests for their expiry (virtual time in a simulation).
+    ``on_record`` (None: recording off) gets the flight recorder's decision and outcome records.
     """
 
     def __init__(self, pools: Sequence[str], make_router: Callable[[str], Router],
@@ -99,9 +104,11 @@ class Gateway:
                  on_conflicts: Callable[[int], None] = lambda count: None,
                  on_decision: DecisionCallback | None = None, picker_id: str = "",
                  clock: Callable[[], float] = time.monotonic,
-                 request_ttl: float = DEFAULT_REQUEST_TTL) -> None:
+                 request_ttl: float = DEFAULT_REQUEST_TTL,
+                 on_record: RecordCallback | None = None) -> None:
         self.all_pools = not pools
         self.on_decision = on_decision
+        self.on_record = on_record
         self.peers = PeerDecisions(picker_id, self.router, clock, request_ttl)
         self._make_router = make_router
         self.unknown = unknown if unknown is not None else UnknownModels()
@@ -129,6 +136,7 @@ class Gateway:
         if router is None:
             router = self.routers[pool] = self._make_router(pool)
             router.on_decision = self.on_decision
+            router.on_record = self.on_record
         return router
 
     # --- registry --------------------------------------------------------------------------
@@ -198,19 +206,20 @@ class Gateway:
     # --- requests --------------------------------------------------------------------------
 
     def route(self, body: bytes, subset: frozenset[str] | None = None,
-              objective: str | None = None) -> Routed | Rejected:
-        """Decide where a request with this JSON ``body`` goes (``subset`` and ``objective``:
-        see :meth:`Router.route`)."""
+              objective: str | None = None, request_id: str = "") -> Routed | Rejected:
+        """Decide where a request with this JSON ``body`` goes (``subset``, ``objective`` and
+        ``request_id``: see :meth:`Router.route`)."""
         fields = read_request(body)
         if isinstance(fields, Rejected):
             return fields
         requested = fields.model or ""
         pool = self.owner.get(requested)
         if pool is not None:
-            return self.routers[pool].route_model(body, requested, subset, objective, fields)
+            return self.routers[pool].route_model(body, requested, subset, objective, fields,
+                                                  request_id)
         router = self._default_router()
         if router is not None:
-            return router.route_model(body, requested, subset, objective, fields)
+            return router.route_model(body, requested, subset, objective, fields, request_id)
         quoted = msgspec.json.encode(requested).decode()
         reason = (" (registered in several pools: " + ", ".join(self.conflicts[requested].pools)
                   + ")" if requested in self.conflicts else "")
@@ -282,15 +291,20 @@ class Gateway:
                 self.on_decision(routed.pool, _routed_event(routed))
 
     def finished(self, routed: Routed, prompt_tokens: int = 0,
-                 completion_tokens: int | None = None) -> None:
+                 completion_tokens: int | None = None, response: ResponseSeen | None = None
+                 ) -> None:
         """The request sent to ``routed``'s pod has ended (with the token usage its response
-        reported, when known)."""
+        reported, when known, and what the picker saw of the response, for its outcome
+        record)."""
         pods = self.table(routed.pool)
         if pods is not None:
             pods.finished(routed.pod)
             if self.on_decision is not None:
                 self.on_decision(routed.pool, FinishedEvent(
                     routed.request_id, routed.pod, prompt_tokens, completion_tokens))
+            if self.on_record is not None and routed.decided_ns:
+                self.on_record(routed.pool, _outcome(routed, prompt_tokens, completion_tokens,
+                                                     response))
 
     def served_elsewhere(self, routed: Routed, pod: str) -> None:
         """The request routed as ``routed`` was served by member ``pod`` of its pool (the
@@ -339,6 +353,28 @@ class Gateway:
         for router in self.routers.values():
             counts.update(router.pods.in_flight())
         return counts
+
+
+class ResponseSeen(msgspec.Struct):
+    """What a request's ext_proc stream saw of its response: the status (0: none seen) and
+    when the first body byte passed (perf_counter_ns; 0: none seen)."""
+
+    status: int = 0
+    first_byte_ns: int = 0
+
+
+def _outcome(routed: Routed, prompt_tokens: int, completion_tokens: int | None,
+             response: ResponseSeen | None) -> OutcomeRecord:
+    """The outcome record of ``routed``, ending now; usage None when the response reported
+    none (``completion_tokens`` None)."""
+    start = routed.decided_ns
+    status, first_byte = (response.status, response.first_byte_ns) if response else (0, 0)
+    known = completion_tokens is not None
+    return OutcomeRecord(
+        routed.envoy_request_id, routed.request_id, routed.pod, status,
+        (first_byte - start) / 1e6 if first_byte else None,
+        (time.perf_counter_ns() - start) / 1e6,
+        prompt_tokens if known else None, completion_tokens)
 
 
 def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:

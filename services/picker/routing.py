@@ -10,6 +10,7 @@ import bisect
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -25,6 +26,7 @@ from scheduling.prompt import (
     chat_prompt,
     completion_prompt,
 )
+from scheduling.record import DecisionRecord, Record
 from scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
@@ -107,6 +109,8 @@ class Routed(msgspec.Struct, frozen=True):
     prefix_hashes: tuple[int, ...] = ()  # chained block hashes, for the decision stream
     criticality: Criticality = Criticality.STANDARD
     request_id: int = 0
+    envoy_request_id: str = ""  # Envoy's x-request-id ("" when none), for the outcome record
+    decided_ns: int = 0  # perf_counter_ns of the decision (recording on), for the outcome record
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -189,6 +193,11 @@ class ModelRoute(msgspec.Struct, frozen=True):
 DecisionCallback = Callable[[str, DecisionEvent], None]
 """Receives each decision a picker makes (pool, event): the decision stream's publisher."""
 
+RecordCallback = Callable[[str, Record], None]
+"""Receives the flight recorder's records (pool, record): the record publisher."""
+
+_NO_HIT_RECORD: dict[str, int] = {}  # the record of a request without prefix matches (shared)
+
 
 DEFAULT_PREFIX_ENTRIES = 65_536  # ~200 bytes each (bench/bench_prefix.py): ~13 MiB a pool
 
@@ -201,6 +210,12 @@ class Router:
     request's prefix matches are handed to the policy (``SchedulingRequest.prefix_hits``).
     ``on_decision`` hears of every request this router sheds (routed and finished requests are
     reported by the :class:`~services.picker.pools.Gateway`, which sees them start and end).
+
+    ``on_record`` (None: recording off) gets a :class:`~scheduling.record.DecisionRecord` of
+    every scheduled request: routed, shed, or refused for want of a pod. With it on, every
+    decision draws a 64-bit ``draw`` from a random source of its own and seeds the policy's
+    random source with it just before the policy runs, so that the recorded view, request and
+    draw give the same pick again (docs/recording.md, "Decision records").
     """
 
     def __init__(self, pool: str, pods: PodTable, rng: random.Random,
@@ -219,6 +234,8 @@ class Router:
         self._all_stale_log = RateLimitedLog(log)
         self._quoted_pool = msgspec.json.encode(pool).decode()
         self.on_decision: DecisionCallback | None = None
+        self.on_record: RecordCallback | None = None
+        self._draws: random.Random | None = None  # the draw source, made when first recording
         self._next_id = itertools.count(1).__next__
 
     @property
@@ -275,19 +292,20 @@ class Router:
         return named.criticality if named is not None else otherwise
 
     def route(self, body: bytes, subset: frozenset[str] | None = None,
-              objective: str | None = None) -> Routed | Rejected:
+              objective: str | None = None, request_id: str = "") -> Routed | Rejected:
         """Decide where a request with this JSON ``body`` goes.
 
         ``subset``: the gateway's subset hint (``ip:port`` set; None: every member); only its
         members may be picked. ``objective``: the InferenceObjective header: an objective of the
         pool, or a registered model of it, whose criticality applies instead of the requested
-        model's (an unknown name is ignored). Every client mistake in ``body`` is a 400
-        :class:`Rejected` (never an exception).
+        model's (an unknown name is ignored). ``request_id``: Envoy's ``x-request-id``, for the
+        decision record. Every client mistake in ``body`` is a 400 :class:`Rejected` (never an
+        exception).
         """
         fields = read_request(body)
         if isinstance(fields, Rejected):
             return fields
-        return self.route_model(body, fields.model or "", subset, objective, fields)
+        return self.route_model(body, fields.model or "", subset, objective, fields, request_id)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` is registered in this pool."""
@@ -299,11 +317,12 @@ class Router:
         return self._models.keys()
 
     def route_model(self, body: bytes, requested: str, subset: frozenset[str] | None = None,
-                    objective: str | None = None, fields: RequestFields | None = None
-                    ) -> Routed | Rejected:
+                    objective: str | None = None, fields: RequestFields | None = None,
+                    request_id: str = "") -> Routed | Rejected:
         """Route a request for ``requested`` (read from ``body`` by :func:`requested_model`)
-        over this pool's pods; ``subset`` and ``objective`` as :meth:`route` takes them;
-        ``fields``: ``body`` already read by :func:`read_request` (read here when None)."""
+        over this pool's pods; ``subset``, ``objective`` and ``request_id`` as :meth:`route`
+        takes them; ``fields``: ``body`` already read by :func:`read_request` (read here when
+        None)."""
         route = self._models.get(requested)
         pool = self.pool_name
         if route is None:
@@ -319,7 +338,8 @@ class Router:
             criticality = self._objective_criticality(objective, criticality)
         registered = route is not None
         request = self._request(body, requested, target, criticality, fields)
-        choice = self._choose(request, subset)
+        seq = self._next_id()
+        choice = self._choose(request, subset, seq, request_id)
         if isinstance(choice, Rejected):
             return Rejected(choice.status, choice.outcome, choice.body, requested, target,
                             registered, pool)
@@ -336,7 +356,8 @@ class Router:
             new_body = rewritten
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
                       fallbacks, pool, request.prompt_tokens, request.max_tokens, hashes,
-                      criticality=criticality, request_id=self._next_id())
+                      criticality, seq, request_id,
+                      time.perf_counter_ns() if self.on_record is not None else 0)
 
     def _request(self, body: bytes, requested: str, target: str, criticality: Criticality,
                  fields: RequestFields | None) -> SchedulingRequest:
@@ -366,26 +387,57 @@ class Router:
         return Routed(endpoint.name, endpoint.hostport, "", "", False, pool=self.pool_name,
                       request_id=self._next_id())
 
-    def _choose(self, request: SchedulingRequest, subset: frozenset[str] | None
-                ) -> tuple[PodView, tuple[str, ...]] | Rejected:
+    def _choose(self, request: SchedulingRequest, subset: frozenset[str] | None, seq: int,
+                request_id: str) -> tuple[PodView, tuple[str, ...]] | Rejected:
         pods = _in_subset(self.pods.fresh_views(), subset)
+        record = self.on_record
         if not pods:
             chosen = self._any_endpoint(subset)
+            if record is not None:  # no policy ran: an empty view and no draw
+                record(self.pool_name, self._record(
+                    request, seq, request_id, 0, pods,
+                    None if isinstance(chosen, Rejected) else chosen.name, False, ()))
             return chosen if isinstance(chosen, Rejected) else (chosen, ())
+        draw = 0
+        if record is not None:
+            draws = self._draws
+            if draws is None:
+                draws = self._draws = random.Random(self._rng.getrandbits(64))
+            draw = draws.getrandbits(64)
+            self._rng.seed(draw)  # the policy's random source: the draw decides every choice
         explain = log.isEnabledFor(logging.DEBUG)
         decision = self._policy.schedule(request, pods, explain=explain)
         if explain:
             _log_decision(self.pool_name, request, decision)
         if decision.pick is not None:
-            return decision.pick, self._fallbacks(request, pods, decision)
+            fallbacks = self._fallbacks(request, pods, decision)
+            if record is not None:
+                record(self.pool_name, self._record(request, seq, request_id, draw, pods,
+                                                    decision.pick.name, False, fallbacks))
+            return decision.pick, fallbacks
+        if record is not None:
+            record(self.pool_name, self._record(request, seq, request_id, draw, pods, None,
+                                                decision.shed, ()))
         if decision.shed:
             if self.on_decision is not None:
                 self.on_decision(self.pool_name, ShedEvent(
-                    self._next_id(), request.target_model, request.criticality))
+                    seq, request.target_model, request.criticality))
             return reject(429, f"pool {self._quoted_pool} is saturated; sheddable request "
                           "dropped", "pool_saturated")
         return reject(503, f"no pod of pool {self._quoted_pool} can take the request",
                       "no_ready_endpoint")
+
+    def _record(self, request: SchedulingRequest, seq: int, request_id: str, draw: int,
+                view: Sequence[PodView], pick: str | None, shed: bool,
+                fallbacks: tuple[str, ...]) -> DecisionRecord:
+        """The decision's record, built from what exists already (the view list is the one the
+        policy ran on, not a copy)."""
+        hits = request.prefix_hits
+        return DecisionRecord(
+            request_id, seq, time.time_ns(), request.model, request.target_model,
+            request.criticality, request.prompt_tokens, request.max_tokens,
+            len(request.prefix_hashes), hits if isinstance(hits, dict) else _NO_HIT_RECORD,
+            self._policy.name, draw, view, pick, shed, fallbacks)  # type: ignore[arg-type]
 
     def _fallbacks(self, request: SchedulingRequest, pods: Sequence[PodView],
                    decision: Decision) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.picker.decision_stream import DEFAULT_DELAY
+from services.picker.batch_sender import DEFAULT_DELAY
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
 from services.picker.routing import DEFAULT_PREFIX_ENTRIES
 from services.picker.tls import TlsFiles
@@ -96,6 +96,20 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "seconds after which a peer's request still counted in flight without a finished event "
         "is dropped from the counts (a peer that goes silent is dropped after 4 of its 0.5 s "
         "heartbeats regardless)", metavar="SECONDS", gt=0)] = DEFAULT_REQUEST_TTL
+    # The flight recorder (issue 14, docs/recording.md).
+    record_decisions: Annotated[bool, option(
+        "publish a record of every scheduling decision (the request as the policy saw it, the "
+        "pod views it ran on, the random draw, the pick or the shed) and of how each routed "
+        "request ended, on <prefix>.records.<pool>, for the server-side recording that `lig "
+        "record` exports (replay, what-if, explain). --no-record-decisions publishes none")] \
+        = True
+    record_responses: Annotated[bool, option(
+        "with --record-decisions: ask Envoy for every response's headers and body, so that each "
+        "outcome record carries the HTTP status, the time to the first body byte and the token "
+        "usage. Costs two more ext_proc messages per request (and every streamed chunk passes "
+        "the picker); without it an outcome has the duration always, the status when the "
+        "gray-pod guard sampled the response, and usage only when the picker saw the body")] \
+        = False
     tls_cert: Annotated[str | None, option(
         "PEM certificate chain: serve ext_proc over TLS (with --tls-key)",
         aliases=("LIG_PICKER_TLS_CERT",))] = None

@@ -35,7 +35,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta
 
-from shared.schemas import DEFAULT_POLICY_NAME
+from shared.schemas import DEFAULT_POLICY_NAME, Criticality
 
 API_GROUP: Final = "inference.networking.x-k8s.io"
 API_VERSIONS = (f"{API_GROUP}/v1alpha1", f"{API_GROUP}/v1alpha2")
@@ -137,6 +137,12 @@ class InferenceModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     pool_ref: PoolRef
     criticality: Literal["Critical", "Standard", "Sheddable", "Default"] | None = None
     target_models: Annotated[list[TargetModelSpec], Meta(max_length=10)] = []
+
+
+def criticality(value: str | None) -> Criticality:
+    """A model's ``spec.criticality`` as the registry publishes it: unset and ``Default`` (the
+    upstream CRD's spelling of unset) are Standard. ValueError for any other unknown value."""
+    return Criticality.STANDARD if value in (None, "Default") else Criticality(value)
 
 
 class ModelObject(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):

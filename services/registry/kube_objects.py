@@ -48,7 +48,7 @@ from msgspec import Meta
 from scheduling import PolicyConfigError, build_policy
 from services.registry import crd
 from services.registry import networks as networks_module
-from services.registry.loader import Registry
+from services.registry.loader import Registry, unusable_address
 from shared.schemas import (
     DEFAULT_POLICY_NAME,
     Criticality,
@@ -332,11 +332,10 @@ def _rewrite(namespace: str, spec: Mapping[str, Any]) -> tuple[ModelDef, ...]:
 def _seed_model(namespace: str, spec: Mapping[str, Any]) -> ModelDef:
     parsed = _convert(spec, _SeedModelSpec, "spec")
     _check_pool_kind(parsed.pool_ref)
-    value = "Standard" if parsed.criticality in (None, "Default") else parsed.criticality
     try:
-        criticality = Criticality(value)
+        criticality = crd.criticality(parsed.criticality)
     except ValueError:
-        raise BadObject("spec.criticality", f"unknown criticality {value!r} (expected "
+        raise BadObject("spec.criticality", f"unknown criticality {parsed.criticality!r} (expected "
                         "Critical, Standard or Sheddable)") from None
     targets = tuple(TargetModel(t.name, t.weight) for t in parsed.target_models)
     return ModelDef(namespace, parsed.pool_ref.name, parsed.model_name, criticality,
@@ -453,8 +452,9 @@ def _members(pool: PoolDef, pods: Iterable[PodMember], refused: list[str]) -> En
             continue
         if any(pod.labels.get(k) != v for k, v in pool.match_labels.items()):
             continue
-        why = networks_module.refusal(pod.ip, pool.networks, explicit=pool.networks_listed,
-                                      setting=f"the {ANNOTATION_PREFIX}allowed-networks annotation")
+        why = unusable_address(pod.ip) or networks_module.refusal(
+            pod.ip, pool.networks, explicit=pool.networks_listed,
+            setting=f"the {ANNOTATION_PREFIX}allowed-networks annotation")
         if why is not None:
             refused.append(f"Pod {pod.namespace}/{pod.name} left out of pool "
                            f"{pool.pool.name}: {why}")

@@ -353,10 +353,9 @@ def _model(obj: crd.ModelObject) -> InferenceModel:
     spec = obj.spec
     # Upstream: no targetModels means the model name itself is the target.
     targets = spec.target_models or [crd.TargetModelSpec(spec.model_name)]
-    criticality = "Standard" if spec.criticality in (None, "Default") else spec.criticality
     return InferenceModel(
         model_name=spec.model_name,
         pool=spec.pool_ref.name,
-        criticality=Criticality(criticality),
+        criticality=crd.criticality(spec.criticality),
         target_models=tuple(TargetModel(t.name, t.weight) for t in targets),
     )
