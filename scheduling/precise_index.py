@@ -24,8 +24,9 @@ What is kept, per pod:
 Skipped, counted by reason in :attr:`PreciseIndex.stats`: blocks whose parent is unknown to the
 rank's map (``parent``: a prompt lookup, which starts at the root, could never reach them),
 blocks stored without token ids (``no_tokens``) or with ids that are no 32-bit token ids
-(``token_ids``), and blocks of another medium than the GPU cache (``medium``: vLLM's CPU
-offloading announces the same hashes again for its own tier).
+(``token_ids``), blocks of a size outside 1..4,096 tokens (``block_size``), and blocks of another
+medium than the GPU cache (``medium``: vLLM's CPU offloading announces the same hashes again for
+its own tier).
 
 Hard memory bound: at most ``max_blocks`` (rank, engine hash) entries; beyond it the oldest
 stored blocks of the rank holding the most are evicted (the engine's own eviction, announced by
@@ -53,6 +54,7 @@ long prompt's prefill, behind a queue, takes about that long to show up as ``Blo
 # 48 (bench/bench_precise_index.py); a collision within one rank's cache stays negligible.
 _HASH_MASK = (1 << 60) - 1
 _GPU = frozenset({None, "GPU", "gpu"})
+_MAX_BLOCK_SIZE = 4096  # tokens (what lig kv-events accepts; NATS input is checked again)
 _MAX_LORA_NAMES = 4096  # adapters remembered from events (a bound on what events can grow)
 
 
@@ -171,6 +173,7 @@ class PreciseIndex:
         self._generation = speculative_ttl / 2
         self._clock = clock
         self._pods: dict[str, _Pod] = {}
+        self._publishing: set[str] = set()  # pods some changes arrived from
         self._live = 0  # (rank, engine hash) entries held
         self._speculated = 0  # speculative entries held
         self._roots: dict[str | None, int] = {None: root_key(None)}
@@ -191,12 +194,11 @@ class PreciseIndex:
 
     def has_events(self, pod: str) -> bool:
         """Whether ``pod`` publishes KV events (some of its changes were applied)."""
-        entry = self._pods.get(pod)
-        return entry is not None and entry.events
+        return pod in self._publishing
 
-    def event_pods(self) -> list[str]:
-        """The pods that publish KV events."""
-        return [name for name, pod in self._pods.items() if pod.events]
+    def event_pods(self) -> set[str]:
+        """The pods that publish KV events (the index's own set: do not change it)."""
+        return self._publishing
 
     # --- events ----------------------------------------------------------------------------
 
@@ -205,7 +207,9 @@ class PreciseIndex:
         pod = self._pods.get(changes.pod)
         if pod is None:
             pod = self._pods[changes.pod] = _Pod(changes.pod)
-        pod.events = True
+        if not pod.events:
+            pod.events = True
+            self._publishing.add(changes.pod)
         rank = pod.ranks.get(changes.dp_rank)
         if rank is None:
             rank = pod.ranks[changes.dp_rank] = _Rank()
@@ -229,6 +233,9 @@ class PreciseIndex:
         skipped = self.stats.skipped
         if op.medium not in _GPU:
             skipped["medium"] += len(hashes)
+            return
+        if not 0 < op.block_size <= _MAX_BLOCK_SIZE:
+            skipped["block_size"] += len(hashes)
             return
         blocks = rank.blocks
         parent = op.parent_block_hash
@@ -392,6 +399,7 @@ class PreciseIndex:
         entry = self._pods.pop(pod, None)
         if entry is None:
             return
+        self._publishing.discard(pod)
         self._live -= sum(len(rank.blocks) for rank in entry.ranks.values())
         self._speculated -= sum(len(keys) for _, keys in entry.speculative)
 
