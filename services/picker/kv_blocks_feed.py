@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from scheduling.precise_index import PreciseIndex
+from services.picker.feeds import subscribe_each
 from services.picker.state import PodTable
 from shared.kv_blocks import decode
 from shared.logs import RateLimitedLog
@@ -66,9 +66,5 @@ async def subscribe(client: Client, subjects: Subjects, sink: KVBlocksSink,
                     pools: Sequence[str]) -> list[Subscription]:
     """Feed the KV block-set changes of ``pools`` (empty: of every pool) into ``sink``."""
 
-    async def on_message(message: Msg) -> None:
-        sink.accept(message.subject, message.data)
-
     names = [subjects.pool_kv_blocks(pool) for pool in pools] or [subjects.all_kv_blocks()]
-    return [await client.subscribe(name, cb=on_message, pending_msgs_limit=100_000)
-            for name in names]
+    return await subscribe_each(client, names, sink.accept)
