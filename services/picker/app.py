@@ -248,7 +248,8 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
         nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions,
-                         kv_blocks=settings.precise_blocks > 0)
+                         kv_blocks=settings.precise_blocks > 0,
+                         kv_history=settings.precise_history)
         tasks = (asyncio.create_task(nats.run(stop)),
                  asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
         # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
@@ -315,7 +316,8 @@ class _NatsLink:
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
                  gateway: Gateway, metrics: PickerMetrics,
-                 decisions: DecisionPublisher | None = None, kv_blocks: bool = False) -> None:
+                 decisions: DecisionPublisher | None = None, kv_blocks: bool = False,
+                 kv_history: bool = False) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -329,6 +331,7 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
+        self._kv_history = kv_history
         self.kv_blocks_sink = KVBlocksSink(
             self._precise_index, on_skip=lambda reason: metrics.kv_blocks_skipped.labels(
                 reason).inc()) if kv_blocks else None
@@ -375,7 +378,8 @@ class _NatsLink:
             pools = [] if self._gateway.all_pools else list(self._gateway.routers)
             await subscribe(client, self._subjects, self.sink, pools)
             if self.kv_blocks_sink is not None:
-                await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools)
+                await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools,
+                                          history=self._kv_history)
             publishing = None
             if self.decisions is not None:
                 await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
