@@ -345,6 +345,17 @@ class _NatsLink:
             return None
         return router.precise, router.pods
 
+    async def _follow_kv_blocks(self, client: Client, pools: list[str]) -> None:
+        """Subscribe to the pods' KV block changes (a failure is logged: the precise index then
+        learns nothing, the approximate one still serves)."""
+        assert self.kv_blocks_sink is not None
+        try:
+            await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools,
+                                      history=self._kv_history)
+        except Exception:
+            log.exception("cannot subscribe to the KV block changes; prefix scoring uses the "
+                          "approximate index")
+
     @property
     def connected(self) -> bool:
         """True while the NATS connection is up."""
@@ -377,18 +388,18 @@ class _NatsLink:
                 on_undecodable=lambda key, exc: undecodable.inc())
             pools = [] if self._gateway.all_pools else list(self._gateway.routers)
             await subscribe(client, self._subjects, self.sink, pools)
+            background = []
             if self.kv_blocks_sink is not None:
-                await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools,
-                                          history=self._kv_history)
-            publishing = None
+                # Its own task: looking up the recording must not delay the registry watch.
+                background.append(asyncio.create_task(self._follow_kv_blocks(client, pools)))
             if self.decisions is not None:
                 await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
-                publishing = asyncio.create_task(self.decisions.run(client))
+                background.append(asyncio.create_task(self.decisions.run(client)))
             try:
                 await self.watcher.run(stop)
             finally:
-                if publishing is not None:
-                    await cancel_and_wait(publishing)
+                for task in background:
+                    await cancel_and_wait(task)
 
 
 async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,

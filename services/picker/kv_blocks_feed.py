@@ -15,6 +15,7 @@ raised. Nothing is checked against the subject: the payload names its pool and p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -104,9 +105,18 @@ async def _subscribe_recorded(client: Client, stream: str, names: Sequence[str],
     async def on_message(message: Msg) -> None:
         sink.accept(message.subject, message.data)
 
-    subscriptions = [
-        await js.subscribe(name, stream=stream, cb=on_message, ordered_consumer=True,
-                           deliver_policy=DeliverPolicy.ALL,
-                           pending_msgs_limit=PENDING_MESSAGES) for name in names]
+    subscriptions: list[Subscription] = []
+    try:
+        for name in names:
+            subscriptions.append(await js.subscribe(
+                name, stream=stream, cb=on_message, ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL, pending_msgs_limit=PENDING_MESSAGES))
+    except (NatsError, TimeoutError) as exc:
+        log.warning("cannot read the recording of KV block changes %s (%s: %s): the precise "
+                    "index learns from the live changes only", stream, type(exc).__name__, exc)
+        for subscription in subscriptions:
+            with contextlib.suppress(NatsError, TimeoutError):
+                await subscription.unsubscribe()
+        return None
     log.info("KV block changes: reading %s from its start, then live", stream)
     return subscriptions
