@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -214,3 +216,8 @@ async def test_a_picker_started_after_the_pods_reads_the_blocks_they_hold(
             await garbage_counted(nc, live_only, 1.0)  # it is subscribed, and up to date
             assert metric(live_only, blocks) == 0.0
             assert "reading LIG_KVBLOCKS from its start" in later.log()
+            # Its ordered consumers do not hold up a clean stop.
+            started = time.monotonic()
+            later.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(later.wait, 10) == 0
+            assert time.monotonic() - started < 5, later.log()
