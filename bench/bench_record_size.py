@@ -75,7 +75,7 @@ def measure(pods: int, requests: int) -> tuple[float, float, float, float]:
         built.started(routed)
         built.finished(routed, 12, 64, ResponseSeen(200, routed.decided_ns + number))
     decisions = [r for r in records if isinstance(r, DecisionRecord)]
-    outcomes = [r for r in records if isinstance(r, OutcomeRecord)]
+    outcomes: list[Record] = [r for r in records if isinstance(r, OutcomeRecord)]
     wire = file = 0
     for start in range(0, len(decisions), BATCH):
         payload = encode(RecordBatch("picker-1", POOL, 1, list(decisions[start:start + BATCH])))

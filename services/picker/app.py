@@ -24,6 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
+from scheduling.precise_index import PreciseIndex
 from services.picker import core
 from services.picker.batch_sender import BatchSender
 from services.picker.decision_stream import (
@@ -36,10 +37,13 @@ from services.picker.decision_stream import (
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
+from services.picker.kv_blocks_feed import KVBlocksSink
+from services.picker.kv_blocks_feed import subscribe as subscribe_kv_blocks
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.settings import PickerSettings
+from services.picker.state import PodTable
 from services.picker.tls import TlsFiles, grpc_credentials, ssl_context
 from shared.host.errors import PortInUse
 from shared.host.lifespan import Lifespan
@@ -87,7 +91,8 @@ def build_gateway(settings: PickerSettings, metrics: PickerMetrics,
         on_all_stale=metrics.all_stale.inc,
         on_conflicts=metrics.model_conflicts.set),
         on_decision=decisions,
-        picker_id=publishing.picker_id if decisions is not None else "",
+        picker_id=publishing.picker_id if publishing is not None and decisions is not None
+        else "",
         on_record=publishing.records if publishing is not None else None)
 
 
@@ -239,6 +244,9 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
     gateway = build_gateway(settings, metrics, publishing)
     metrics.load_estimate.tables = lambda: {
         pool: router.pods for pool, router in gateway.routers.items()}
+    metrics.precise.indexes = lambda: {
+        pool: router.precise for pool, router in gateway.routers.items()
+        if router.precise.max_blocks}
     processor = Processor(gateway, metrics, settings.destination_header,
                           record_responses=settings.record_responses)
     tls = settings.tls
@@ -257,7 +265,9 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         # an "Event loop is closed" traceback on exit.
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
-        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, publishing)
+        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, publishing,
+                         kv_blocks=settings.precise_blocks > 0,
+                         kv_history=settings.precise_history)
         tasks = (asyncio.create_task(nats.run(stop)),
                  asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
         # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
@@ -322,11 +332,13 @@ async def _until_stopped_or_lost(stop: asyncio.Event,
 
 
 class _NatsLink:
-    """The NATS side: connect (forever), watch the registry, subscribe to snapshots."""
+    """The NATS side: connect (forever), watch the registry, subscribe to snapshots (and,
+    with ``kv_blocks``, to the pods' KV block-set changes)."""
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
                  gateway: Gateway, metrics: PickerMetrics,
-                 publishing: Publishing | None = None) -> None:
+                 publishing: Publishing | None = None, kv_blocks: bool = False,
+                 kv_history: bool = False) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -340,9 +352,30 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
+        self._kv_history = kv_history
+        self.kv_blocks_sink = KVBlocksSink(
+            self._precise_index, on_skip=lambda reason: metrics.kv_blocks_skipped.labels(
+                reason).inc()) if kv_blocks else None
         self.publishing = publishing
         self.decision_sink = DecisionSink(
             gateway.apply_peer, on_undecodable=metrics.undecodable.labels("decisions").inc)
+
+    def _precise_index(self, pool: str) -> tuple[PreciseIndex, PodTable] | None:
+        router = self._gateway.routers.get(pool)
+        if router is None or not router.precise.max_blocks:
+            return None
+        return router.precise, router.pods
+
+    async def _follow_kv_blocks(self, client: Client, pools: list[str]) -> None:
+        """Subscribe to the pods' KV block changes (a failure is logged: the precise index then
+        learns nothing, the approximate one still serves)."""
+        assert self.kv_blocks_sink is not None
+        try:
+            await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools,
+                                      history=self._kv_history)
+        except Exception:
+            log.exception("cannot subscribe to the KV block changes; prefix scoring uses the "
+                          "approximate index")
 
     @property
     def connected(self) -> bool:
@@ -376,16 +409,19 @@ class _NatsLink:
                 on_undecodable=lambda key, exc: undecodable.inc())
             pools = [] if self._gateway.all_pools else list(self._gateway.routers)
             await subscribe(client, self._subjects, self.sink, pools)
-            publishing = None
+            background = []
+            if self.kv_blocks_sink is not None:
+                # Its own task: looking up the recording must not delay the registry watch.
+                background.append(asyncio.create_task(self._follow_kv_blocks(client, pools)))
             if self.publishing is not None:
                 if self.publishing.decisions is not None:
                     await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
-                publishing = asyncio.create_task(self.publishing.sender.run(client))
+                background.append(asyncio.create_task(self.publishing.sender.run(client)))
             try:
                 await self.watcher.run(stop)
             finally:
-                if publishing is not None:
-                    await cancel_and_wait(publishing)
+                for task in background:
+                    await cancel_and_wait(task)
 
 
 async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
