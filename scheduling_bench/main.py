@@ -21,9 +21,12 @@ import msgspec
 
 from scheduling import PolicyConfigError, build_policy, policy_names
 from scheduling_bench import default_sweep, report
+from scheduling_bench.fleet import DEFAULT_KV_EVENT_DELAY
 from scheduling_bench.runner import (
     DEFAULT_POLICY,
+    NO_PREFIX_SUFFIX,
     ORACLE_SUFFIX,
+    PRECISE_SUFFIX,
     RAW_SUFFIX,
     Point,
     parse_policy,
@@ -76,8 +79,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"'{DEFAULT_POLICY}' is the policy lig picker runs by default; a name ending in "
         f"{RAW_SUFFIX} runs without the pickers' load estimate, on the scraped metrics alone "
         f"(lig picker --no-load-estimate, as upstream); one ending in {ORACLE_SUFFIX} decides "
-        "on every pod's exact state at decision time (no scrape delay): the bound no real "
-        "picker can beat",
+        "on every pod's exact state at decision time (no scrape delay, no KV-event delay): the "
+        f"bound no real picker can beat; one ending in {PRECISE_SUFFIX} takes prefix matches "
+        "from the pods' KV-cache events (the precise prefix index; needs --token-ids), one "
+        f"ending in {NO_PREFIX_SUFFIX} runs without a prefix index",
+    )
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="clients send completion prompts as token ids (the engines compute on the same "
+        "ids, so their KV-cache events carry them), instead of the workload's chat or text "
+        f"prompts: what {PRECISE_SUFFIX} needs",
+    )
+    parser.add_argument(
+        "--kv-event-delay",
+        type=float,
+        default=DEFAULT_KV_EVENT_DELAY,
+        help="seconds from the engine step that cached or evicted blocks until the pickers' "
+        f"precise prefix index has the event ({PRECISE_SUFFIX}; lig sim -> lig kv-events -> "
+        "NATS -> picker)",
     )
     parser.add_argument("--rates", default="100,200,300", help="comma-separated requests/s")
     parser.add_argument("--pods", type=int, default=8, help="simulated vLLM pods")
@@ -147,11 +167,15 @@ def _run_sweep(args: argparse.Namespace) -> int:
     choices = [parse_policy(label) for label in labels]
     for choice in choices:  # fail on a bad name before any run starts
         build_policy(choice.policy, random.Random(0))
+    if any(choice.prefix == "precise" for choice in choices) and not workload.token_ids:
+        raise UsageError(f"{PRECISE_SUFFIX} needs prompts of token ids: pass --token-ids")
     rates = _numbers(args.rates, "--rates")
     if args.pods < 1 or args.pickers < 1 or args.duration <= 0 or args.jobs < 1:
         raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
     if args.decision_delay < 0:
         raise UsageError("--decision-delay must be >= 0")
+    if args.kv_event_delay < 0:
+        raise UsageError("--kv-event-delay must be >= 0")
     profile = load_profile(args.profile)
     if not args.no_plots:
         _require_matplotlib()
@@ -161,6 +185,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
             **choice.fields(),
             shared_decisions=args.shared_decisions,
             decision_delay=args.decision_delay,
+            kv_event_delay=args.kv_event_delay,
             rate=rate,
             duration=args.duration,
             seed=args.seed,
@@ -202,6 +227,8 @@ def _workload(args: argparse.Namespace) -> Workload:
     overrides = {
         field: getattr(args, field) for field in _WORKLOAD_FLAGS if getattr(args, field) is not None
     }
+    if args.token_ids:
+        overrides.update(token_ids=True, chat=False)
     if args.trace:
         read_trace(args.trace)  # a bad trace fails here, before any run starts
         overrides["trace"] = args.trace

@@ -1,0 +1,91 @@
+"""``lig bench``'s KV-event feed (pure, virtual time): what the simulated pods' events deliver to
+the pickers' precise prefix index, and when."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from scheduling.token_blocks import block_keys, root_key
+from scheduling_bench.kv_feed import KVEventFeed, TokenIdPrompts
+from shared.kv_blocks import KVBlockChanges
+from shared.kv_events import U64, BlockRemoved, BlockStored
+from simulator.engine import Engine, EngineConfig
+from simulator.profiles import DEFAULT_PROFILE, PROFILES
+from simulator.request import RequestSpec
+from simulator.virtual_time import VirtualClock
+
+
+def small_engine(num_gpu_blocks: int) -> Engine:
+    profile = msgspec.structs.replace(PROFILES[DEFAULT_PROFILE], num_gpu_blocks=num_gpu_blocks)
+    return Engine(EngineConfig(profile=profile), VirtualClock(), random.Random(1))
+
+
+def run_steps(engine: Engine, feed: KVEventFeed) -> list[KVBlockChanges]:
+    """Step ``engine`` until it is idle, taking the feed's batch after every step."""
+    clock = engine.clock
+    assert isinstance(clock, VirtualClock)
+    sent = []
+    while (plan := engine.begin_step()) is not None:
+        clock.advance_to(plan.end)
+        engine.finish_step()
+        changes = feed.take(engine.kv, clock.now())
+        if changes is not None:
+            sent.append(changes)
+    return sent
+
+
+def test_each_steps_events_become_one_batch_that_rebuilds_the_prefix_cache() -> None:
+    engine = small_engine(120)  # 8 prompts of up to 30 blocks each: cached blocks get evicted
+    feed = KVEventFeed("pool", "pod-3", "10.0.0.3:8000")
+    KVEventFeed.attach(engine.kv)
+    rng = random.Random(7)
+    prefixes = [tuple(rng.randrange(100_000) for _ in range(300)) for _ in range(3)]
+    for index in range(8):
+        prompt = prefixes[index % 3] + tuple(rng.randrange(100_000) for _ in range(150))
+        engine.submit(RequestSpec(f"r{index}", prompt, 4))
+    sent = run_steps(engine, feed)
+    assert [changes.source_seq for changes in sent] == list(range(len(sent)))
+    assert {(c.pool, c.pod, c.address, c.dp_rank) for c in sent} == {
+        ("pool", "pod-3", "10.0.0.3:8000", 0)}
+    held: set[int] = set()
+    removed = 0
+    for changes in sent:
+        for op in changes.ops:
+            if isinstance(op, BlockStored):
+                assert all(0 <= block <= U64 for block in op.block_hashes)  # normalised
+                held.update(op.block_hashes)
+            else:
+                assert isinstance(op, BlockRemoved)
+                assert held.issuperset(op.block_hashes)
+                held.difference_update(op.block_hashes)
+                removed += len(op.block_hashes)
+    assert removed > 0
+    assert held == {block & U64 for block in engine.kv._block_of}
+    assert engine.kv.events == []  # taken, not left to grow
+    assert feed.take(engine.kv, engine.clock.now()) is None
+
+
+def test_stored_token_ids_give_the_prompts_block_keys() -> None:
+    """What the precise index files a pod's blocks under equals what it looks a prompt up by."""
+    engine = small_engine(1000)
+    feed = KVEventFeed("pool", "pod-0", "10.0.0.0:8000")
+    KVEventFeed.attach(engine.kv)
+    prompt = tuple(range(5000, 5100))  # 6 full blocks of 16 and 4 tokens
+    engine.submit(RequestSpec("a", prompt, 2))
+    stored = [op for changes in run_steps(engine, feed) for op in changes.ops
+              if isinstance(op, BlockStored)]
+    tokens = [token for op in stored for token in op.token_ids]
+    assert block_keys(tokens, 16, root_key(None)) == block_keys(prompt, 16, root_key(None))
+    assert len(block_keys(tokens, 16, root_key(None))) == 6
+
+
+def test_token_id_prompts_are_their_own_tokens() -> None:
+    ids = TokenIdPrompts()
+    assert ids.prompt_token_ids([1, 2, 3], None) == [1, 2, 3]
+    assert ids.prompt_token_ids([[4, 5], [6]], None) == [4, 5]  # a batch: its first prompt
+    assert ids.prompt_token_ids("text", None) is None
+    assert ids.prompt_token_ids(["a", "b"], None) is None
+    assert ids.prompt_token_ids([], None) is None
+    assert ids.prompt_token_ids(None, [{"role": "user", "content": "hi"}]) is None
