@@ -63,8 +63,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``lig bench``."""
     parser.add_argument(
         "--sweep",
-        choices=["default"],
-        help="run the default sweep and rewrite --doc's numbers and plots (needs --trace)",
+        choices=["default", "prefix-sources"],
+        help="'default': run the default sweep and rewrite --doc's numbers and plots (needs "
+        "--trace); 'prefix-sources': run only its comparison of prefix sources (none, "
+        "approximate, precise) and rewrite those tables",
     )
     parser.add_argument(
         "--doc", type=Path, default=Path("docs/benchmarks.md"), help="document --sweep rewrites"
@@ -142,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sweep == "default":
             return _run_default_sweep(args)
+        if args.sweep == "prefix-sources":
+            return _run_prefix_sources(args)
         return _run_sweep(args)
     except (UsageError, TraceError, PolicyConfigError, ValueError) as error:
         print(f"lig bench: {error}", file=sys.stderr)
@@ -158,6 +162,14 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
     command = ["lig", "bench", "--sweep", "default", "--trace", "PATH/TO/splitwise_conv.csv"]
     default_sweep.regenerate(args.doc, args.trace, command, args.jobs)
     print(f"rewrote {args.doc} and its plots in {args.doc.parent / args.doc.stem}/")
+    return 0
+
+
+def _run_prefix_sources(args: argparse.Namespace) -> int:
+    if not args.doc.is_file():
+        raise UsageError(f"{args.doc}: no such document")
+    default_sweep.regenerate_prefix_sources(args.doc, args.jobs)
+    print(f"rewrote the prefix-source tables of {args.doc}")
     return 0
 
 

@@ -4,16 +4,25 @@ the pickers' precise prefix index, and when."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import msgspec
+import pytest
 
+from lig.cli import main
 from scheduling.token_blocks import block_keys, root_key
+from scheduling_bench.fleet import FleetConfig, simulate
 from scheduling_bench.kv_feed import KVEventFeed, TokenIdPrompts
+from scheduling_bench.prompts import segment_text
+from scheduling_bench.runner import Point, parse_policy, run_point
+from scheduling_bench.workloads import WORKLOADS, Workload, generate
 from shared.kv_blocks import KVBlockChanges
 from shared.kv_events import U64, BlockRemoved, BlockStored
+from shared.schemas import PolicyConfig
 from simulator.engine import Engine, EngineConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 from simulator.request import RequestSpec
+from simulator.tokenizer import encode
 from simulator.virtual_time import VirtualClock
 
 
@@ -89,3 +98,54 @@ def test_token_id_prompts_are_their_own_tokens() -> None:
     assert ids.prompt_token_ids(["a", "b"], None) is None
     assert ids.prompt_token_ids([], None) is None
     assert ids.prompt_token_ids(None, [{"role": "user", "content": "hi"}]) is None
+
+
+def token_id_workload(name: str, **fields: object) -> Workload:
+    return msgspec.structs.replace(WORKLOADS[name], token_ids=True, chat=False, **fields)
+
+
+def test_token_id_requests_send_the_ids_their_engine_computes_on() -> None:
+    requests = generate(token_id_workload("shared-prefix"), 50, 4, seed=1)
+    by_group: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    for request in requests:
+        body = msgspec.json.decode(request.body())
+        spec = request.engine_spec(None)
+        assert body["prompt"] == list(spec.prompt) and "messages" not in body
+        segments = request.spec.prompt.segments
+        # The ids are the simulator tokenizer's of the segments' text (one token per word).
+        assert tuple(spec.prompt) == encode(" ".join(segment_text(*s) for s in segments))
+        by_group.setdefault(segments[0], set()).add(tuple(spec.prompt[:segments[0][1]]))
+    assert len(by_group) > 1 and all(len(prefixes) == 1 for prefixes in by_group.values())
+    assert requests[0].engine_spec("adapter-1").adapter == "adapter-1"
+    with pytest.raises(ValueError, match="token_ids needs chat false"):
+        msgspec.structs.replace(WORKLOADS["chat"], token_ids=True).validate()
+
+
+def test_policy_suffixes_pick_the_prefix_source() -> None:
+    precise = parse_policy("default+precise+oracle")
+    assert precise.prefix == "precise" and precise.oracle and precise.alias == "default"
+    assert parse_policy("default+no-prefix").prefix == "none"
+    assert parse_policy("default").prefix == "approximate"
+    for label in ("default+precise", "default+no-prefix", "default+precise+oracle"):
+        workload = token_id_workload("chat")
+        assert Point(workload, **parse_policy(label).fields(), rate=1, duration=1).label == label
+    with pytest.raises(ValueError, match="exclude each other"):
+        parse_policy("default+precise+no-prefix")
+
+
+def test_the_precise_index_needs_prompts_of_token_ids(tmp_path: Path, capsys) -> None:
+    config = FleetConfig(prefix="precise")
+    with pytest.raises(ValueError, match="token ids"):
+        simulate(generate(WORKLOADS["chat"], 10, 1, seed=1), PolicyConfig(), config, seed=1)
+    code = main(["bench", "--policies", "default+precise", "--duration", "1", "--jobs", "1",
+                 "--out", str(tmp_path / "o"), "--no-plots"])
+    assert code == 2 and "pass --token-ids" in capsys.readouterr().err
+
+
+def test_without_a_prefix_index_the_default_policy_is_blind_to_prefixes() -> None:
+    workload = token_id_workload("shared-prefix")
+    runs = {label: run_point(Point(workload, **parse_policy(label).fields(), rate=100,
+                                   duration=4))
+            for label in ("default", "default+no-prefix")}
+    assert runs["default+no-prefix"].prefix_cache_hit_rate < \
+        runs["default"].prefix_cache_hit_rate - 0.1
