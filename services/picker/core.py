@@ -59,7 +59,9 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                                       on_exclude=hooks.on_gray_exclusion))
         return Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
                       fallbacks=settings.fallbacks,
-                      prefix_entries=settings.prefix_index_entries)
+                      prefix_entries=settings.prefix_index_entries,
+                      precise_blocks=settings.precise_blocks,
+                      speculative_ttl=settings.speculative_ttl, clock=clock)
 
     unknown = UnknownModels(reject=settings.reject_unknown_models,
                             default_pool=settings.default_pool)
