@@ -25,7 +25,8 @@ What is modelled, and how it maps to production:
   KV-cache events (``scheduling_bench/kv_feed.py``): after each engine step, the blocks it
   cached or evicted reach every replica's precise index ``kv_event_delay`` seconds later, as
   ``lig sim`` -> ``lig kv-events`` -> NATS delivers them; the replicas read prompts of token ids
-  (workloads with ``token_ids``) through :class:`~scheduling_bench.kv_feed.TokenIdPrompts`.
+  (workloads with ``token_ids``) through :class:`~scheduling_bench.kv_feed.TokenIdPrompts`, and
+  run without the approximate index, so that the matches are the events' alone.
   "none": no prefix index (``lig picker --prefix-index-entries 0``), the same policy blind to
   prefixes.
 - ``shared_decisions`` (with a core that supports the decision stream): each replica's own
@@ -237,9 +238,12 @@ class _Simulation:
         self.index = {name: pod for pod, name in enumerate(self.names)}
         self.seq = [0] * config.pods
         self.shared = config.shared_decisions and config.pickers > 1
+        # "precise" runs without the approximate index (which the router would consult for
+        # pods without events only, before their first event here): its numbers are the
+        # events' alone.
         settings = PickerSettings(pools=[POOL], load_estimate=config.load_estimate,
-                                  prefix_index_entries=0 if config.prefix == "none" else
-                                  PickerSettings().prefix_index_entries)
+                                  prefix_index_entries=PickerSettings().prefix_index_entries
+                                  if config.prefix == "approximate" else 0)
         view = registry_view(policy, self.names, (BASE_MODEL, *config.engine.adapters))
         self.replicas = []
         for replica in range(config.pickers):

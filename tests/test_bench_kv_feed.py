@@ -11,19 +11,20 @@ import pytest
 
 from lig.cli import main
 from scheduling.token_blocks import block_keys, root_key
+from scheduling_bench import fleet
 from scheduling_bench.fleet import FleetConfig, simulate
 from scheduling_bench.kv_feed import KVEventFeed, TokenIdPrompts
 from scheduling_bench.prompts import segment_text
 from scheduling_bench.runner import Point, parse_policy, run_point
-from scheduling_bench.workloads import WORKLOADS, Workload, generate
+from scheduling_bench.workloads import BASE_MODEL, WORKLOADS, BenchRequest, Workload, generate
 from shared.kv_blocks import KVBlockChanges
 from shared.kv_events import U64, BlockRemoved, BlockStored
-from shared.schemas import PolicyConfig
+from shared.schemas import Criticality, PolicyConfig
 from simulator.engine import Engine, EngineConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
-from simulator.request import RequestSpec
+from simulator.request import RequestSpec, SyntheticPrompt
 from simulator.tokenizer import encode
-from simulator.virtual_time import VirtualClock
+from simulator.virtual_time import DELIVERY, VirtualClock
 
 
 def small_engine(num_gpu_blocks: int) -> Engine:
@@ -149,3 +150,42 @@ def test_without_a_prefix_index_the_default_policy_is_blind_to_prefixes() -> Non
             for label in ("default", "default+no-prefix")}
     assert runs["default+no-prefix"].prefix_cache_hit_rate < \
         runs["default"].prefix_cache_hit_rate - 0.1
+
+
+def test_the_engines_cache_reaches_the_precise_index_after_the_event_delay() -> None:
+    """One request on one pod: the index holds none of its blocks until ``kv_event_delay``
+    after the step that cached them ended, then exactly the prompt's full blocks."""
+    tokens = 16 * 40 + 5  # 40 full blocks
+    request = BenchRequest(0.01, RequestSpec("a", SyntheticPrompt(((3, tokens),)), 3),
+                           BASE_MODEL, Criticality.STANDARD, token_ids=True)
+    delay = 0.045
+    config = FleetConfig(pods=1, prefix="precise", kv_event_delay=delay)
+    simulation = fleet._Simulation([request], PolicyConfig(), config, seed=1)
+    index = fleet._router(simulation.replicas[0].gateway).precise
+    held: list[tuple[float, int]] = []
+    for step in range(400):  # a probe every millisecond, after that instant's deliveries
+        simulation.loop.at(step / 1000, DELIVERY + 1, lambda now, _: held.append(
+            (now, len(index))))
+    run = simulation.run()
+    (record,) = run.records
+    assert record is not None and record.first_token_time is not None
+    stored_at = record.first_token_time  # the end of the prefill step, which cached the blocks
+    assert 0 < stored_at + delay < 0.4
+    ids = request.engine_spec(None).prompt
+    keys = block_keys(ids, 16, root_key(None))
+    assert len(keys) == 40
+    assert all(count == 0 for now, count in held if now < stored_at + delay - 1e-9)
+    assert all(count == 40 for now, count in held if now >= stored_at + delay)
+    assert index.match(keys, now=1e9) == {"pod-0": 40}  # real blocks, speculation expired
+
+
+def test_precise_prefix_routing_beats_none_on_prefix_cache_hits() -> None:
+    workload = token_id_workload("shared-prefix", prefix_groups=64, prefix_tokens=4_000)
+    runs = {label: run_point(Point(workload, **parse_policy(label).fields(), rate=100,
+                                   duration=5))
+            for label in ("default+precise", "default+no-prefix")}
+    precise, blind = runs["default+precise"], runs["default+no-prefix"]
+    assert precise.kv_event_delay == 0.03
+    assert precise.prefix_cache_hit_rate > blind.prefix_cache_hit_rate + 0.15
+    assert precise.ttft.p90 is not None and blind.ttft.p90 is not None
+    assert precise.ttft.p90 < blind.ttft.p90
