@@ -73,12 +73,16 @@ PREFIX_FIT_POLICIES = ("round-robin", "filter-tree", "default", "default+oracle"
 
 # Where prefix matches come from (issue 16): none, the approximate index, the pods' KV-cache
 # events (precise), each also with exact state. Workloads send token ids (the engines compute on
-# them, so the events carry them); the first is the shared prefix that does not fit.
+# them, so the events carry them); the first is the shared prefix that does not fit, then the
+# same with 4 picker replicas that do not share decisions (each one's approximate index sees a
+# quarter of the routing), then presets. (workload, its overrides, rate, pickers, shared).
 PREFIX_SOURCE_POLICIES = ("default+no-prefix", "default", "default+precise", "default+oracle",
                           "default+precise+oracle")
-PREFIX_SOURCE_POINTS: tuple[tuple[str, dict[str, int], float], ...] = (
-    ("shared-prefix", PREFIX_FIT, PREFIX_FIT_RATE), ("shared-prefix", {}, 180.0),
-    ("chat", {}, 180.0), ("multi-turn", {}, 180.0))
+PREFIX_SOURCE_POINTS: tuple[tuple[str, dict[str, int], float, int, bool], ...] = (
+    ("shared-prefix", PREFIX_FIT, PREFIX_FIT_RATE, 1, True),
+    ("shared-prefix", PREFIX_FIT, PREFIX_FIT_RATE, 4, False),
+    ("shared-prefix", {}, 180.0, 1, True), ("chat", {}, 180.0, 1, True),
+    ("multi-turn", {}, 180.0, 1, True))
 # The precise index on the first of them, by KV-event delay (seconds).
 KV_EVENT_DELAYS = (0.005, 0.03, 0.1, 0.3)
 
@@ -182,17 +186,18 @@ def prefix_fit_points() -> list[Point]:
 def prefix_source_points() -> list[Point]:
     """The points of the prefix-source comparison, then those of its event-delay table."""
     result: list[Point] = []
-    for name, fields, rate in PREFIX_SOURCE_POINTS:
+    for name, fields, rate, pickers, shared in PREFIX_SOURCE_POINTS:
         workload = msgspec.structs.replace(WORKLOADS[name], **fields, token_ids=True, chat=False)
         result.extend(Point(workload=workload, **parse_policy(label).fields(), rate=rate,
-                            duration=DURATION, seed=SEED)
+                            duration=DURATION, seed=SEED, pickers=pickers,
+                            shared_decisions=shared)
                       for label in PREFIX_SOURCE_POLICIES)
     return result + kv_event_delay_points()
 
 
 def kv_event_delay_points() -> list[Point]:
     """``default+precise`` on the first prefix-source workload at every :data:`KV_EVENT_DELAYS`."""
-    name, fields, rate = PREFIX_SOURCE_POINTS[0]
+    name, fields, rate, _, _ = PREFIX_SOURCE_POINTS[0]
     workload = msgspec.structs.replace(WORKLOADS[name], **fields, token_ids=True, chat=False)
     return [Point(workload=workload, **parse_policy("default+precise").fields(), rate=rate,
                   duration=DURATION, seed=SEED, kv_event_delay=delay)
@@ -203,18 +208,17 @@ def prefix_source_table(results: Sequence[RunMetrics]) -> str:
     """TTFT and prefix-cache hits by prefix source, with TTFT p90 against the approximate
     index's (``default``) and the hit rate against the oracle's of the same source."""
     lines = [
-        "| workload | rate (req/s) | policy | TTFT p50 | TTFT p90 | TTFT p99 | prefix hit "
-        "| prompt tokens computed | p90 / default | hit / its +oracle |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | rate (req/s) | pickers | policy | TTFT p50 | TTFT p90 | TTFT p99 "
+        "| prefix hit | prompt tokens computed | p90 / default | hit / its +oracle |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    # Each workload runs at its own rate, so (workload, rate) names a comparison.
-    by_label = {(r.workload, r.rate, r.policy): r for r in results}
+    by_label = {(_setting(r), r.policy): r for r in results}
     for r in results:
-        approximate = by_label.get((r.workload, r.rate, "default"))
-        oracle = by_label.get((r.workload, r.rate,
-                               r.policy.removesuffix(ORACLE_SUFFIX) + ORACLE_SUFFIX))
+        approximate = by_label.get((_setting(r), "default"))
+        oracle = by_label.get((_setting(r), r.policy.removesuffix(ORACLE_SUFFIX) + ORACLE_SUFFIX))
         lines.append(
-            f"| {r.workload} | {r.rate:g} | {r.policy} | {report.format_seconds(r.ttft.p50)} "
+            f"| {r.workload} | {r.rate:g} | {_pickers(r)} | {r.policy} "
+            f"| {report.format_seconds(r.ttft.p50)} "
             f"| {report.format_seconds(r.ttft.p90)} | {report.format_seconds(r.ttft.p99)} "
             f"| {r.prefix_cache_hit_rate:.1%} | {r.computed_prompt_tokens / 1e6:.2f} M "
             f"| {_ratio(r.ttft.p90, approximate.ttft.p90 if approximate else None)} "
@@ -222,6 +226,18 @@ def prefix_source_table(results: Sequence[RunMetrics]) -> str:
             " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _setting(r: RunMetrics) -> tuple[str, float, int, bool]:
+    """What a prefix-source comparison holds fixed: every row of one setting is one policy."""
+    return (r.workload, r.rate, r.pickers, r.shared_decisions)
+
+
+def _pickers(r: RunMetrics) -> str:
+    """Picker replicas, and whether they shared decisions."""
+    if r.pickers == 1:
+        return "1"
+    return f"{r.pickers}, {'shared' if r.shared_decisions else 'not shared'}"
 
 
 def kv_event_delay_table(results: Sequence[RunMetrics]) -> str:

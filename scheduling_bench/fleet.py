@@ -116,6 +116,8 @@ class FleetConfig(msgspec.Struct, frozen=True):
     """Where prefix matches come from: "approximate", "precise" (KV-cache events) or "none"."""
     kv_event_delay: float = DEFAULT_KV_EVENT_DELAY
     """Seconds from an engine step until its KV-cache events reach the replicas ("precise")."""
+    speculative_ttl: float | None = None
+    """``lig picker --speculative-ttl`` ("precise"); None: the picker's default."""
     engine: EngineConfig = EngineConfig()
 
 
@@ -241,9 +243,13 @@ class _Simulation:
         # "precise" runs without the approximate index (which the router would consult for
         # pods without events only, before their first event here): its numbers are the
         # events' alone.
-        settings = PickerSettings(pools=[POOL], load_estimate=config.load_estimate,
-                                  prefix_index_entries=PickerSettings().prefix_index_entries
-                                  if config.prefix == "approximate" else 0)
+        defaults = PickerSettings()
+        settings = PickerSettings(
+            pools=[POOL], load_estimate=config.load_estimate,
+            prefix_index_entries=defaults.prefix_index_entries
+            if config.prefix == "approximate" else 0,
+            speculative_ttl=defaults.speculative_ttl if config.speculative_ttl is None
+            else config.speculative_ttl)
         view = registry_view(policy, self.names, (BASE_MODEL, *config.engine.adapters))
         self.replicas = []
         for replica in range(config.pickers):

@@ -59,6 +59,8 @@ class Point(msgspec.Struct, frozen=True):
     """The name the policy was asked by (``default``), when not its own."""
     prefix: PrefixSource = "approximate"
     kv_event_delay: float = DEFAULT_KV_EVENT_DELAY
+    speculative_ttl: float | None = None
+    """``lig picker --speculative-ttl`` (None: its default)."""
 
     @property
     def label(self) -> str:
@@ -145,6 +147,7 @@ def run_point(point: Point) -> RunMetrics:
         decision_delay=point.decision_delay,
         prefix=point.prefix,
         kv_event_delay=point.kv_event_delay,
+        speculative_ttl=point.speculative_ttl,
         engine=engine_config(point.workload, point.profile),
     )
     run = simulate(requests, point.policy, config, point.seed)
