@@ -10,7 +10,8 @@ index (``default+precise``) as ``lig picker`` runs it, and with one thing change
   ``MAX_PRECISE_KEYS``, 2,048 blocks by default: the whole prompt), which changes the
   ``prefix_affinity`` score from "fraction of the prompt cached" to "fraction of its first N
   blocks cached";
-- the ``prefix_affinity`` weight of the ``prefix-aware`` profile (2 by default);
+- the ``prefix_affinity`` weight of the ``prefix-aware`` profile (2 by default), also with the
+  approximate index;
 - exact state (``+oracle``: exact metrics, events at once), the bound.
 
 The table gives TTFT p50/p90/p99, the prefix-cache hit rate, TTFT p90 against the approximate
@@ -81,8 +82,10 @@ def main() -> int:
         "precise, no speculation": replace(precise, speculative_ttl=0.0),
     }
     for weight in args.weights.split(","):
-        variants[f"precise, prefix weight {weight}"] = replace(
-            precise, policy=with_prefix_weight(float(weight)))
+        policy = with_prefix_weight(float(weight))
+        variants[f"precise, prefix weight {weight}"] = replace(precise, policy=policy)
+        variants[f"approximate, prefix weight {weight}"] = replace(point("default"),
+                                                                   policy=policy)
     by_label = dict(zip(variants, run_points(list(variants.values()), jobs=args.jobs,
                                              progress=False), strict=True))
     # The cap is a module constant of the router, read per request: these run in this process.
