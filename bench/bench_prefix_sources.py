@@ -32,22 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec
 
-from scheduling.profile import PREFIX_AWARE
 from scheduling_bench.default_sweep import PREFIX_FIT
 from scheduling_bench.results import RunMetrics
-from scheduling_bench.runner import Point, parse_policy, run_point, run_points
+from scheduling_bench.runner import Point, parse_policy, run_point, run_points, with_scorer_weight
 from scheduling_bench.workloads import WORKLOADS
 from services.picker import routing
-from shared.schemas import PolicyConfig
-
-
-def with_prefix_weight(weight: float) -> PolicyConfig:
-    """``prefix-aware`` with the default profile, ``prefix_affinity`` at ``weight``."""
-    params = msgspec.to_builtins(PREFIX_AWARE)
-    for scorer in params["scorers"]:
-        if scorer["plugin"] == "prefix_affinity":
-            scorer["weight"] = weight
-    return PolicyConfig("prefix-aware", params)
 
 
 def main() -> int:
@@ -82,7 +71,7 @@ def main() -> int:
         "precise, no speculation": replace(precise, speculative_ttl=0.0),
     }
     for weight in args.weights.split(","):
-        policy = with_prefix_weight(float(weight))
+        policy = with_scorer_weight("prefix_affinity", float(weight))
         variants[f"precise, prefix weight {weight}"] = replace(precise, policy=policy)
         variants[f"approximate, prefix weight {weight}"] = replace(point("default"),
                                                                    policy=policy)

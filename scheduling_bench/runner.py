@@ -13,6 +13,7 @@ from typing import TypedDict
 
 import msgspec
 
+from scheduling.profile import PREFIX_AWARE
 from scheduling_bench.fleet import DEFAULT_KV_EVENT_DELAY, FleetConfig, PrefixSource, simulate
 from scheduling_bench.results import RunMetrics, summarize
 from scheduling_bench.workloads import Workload, adapter_names, generate
@@ -120,6 +121,18 @@ def parse_policy(label: str) -> PolicyChoice:
     if name == DEFAULT_POLICY:
         return PolicyChoice(PolicyConfig(), not raw, oracle, DEFAULT_POLICY, source)
     return PolicyChoice(PolicyConfig(name=name), not raw, oracle, prefix=source)
+
+
+def with_scorer_weight(plugin: str, weight: float) -> PolicyConfig:
+    """``prefix-aware`` with the default profile but the scorer ``plugin`` at ``weight`` (for
+    the weight studies in bench/)."""
+    params = msgspec.to_builtins(PREFIX_AWARE)
+    scorers = [scorer for scorer in params["scorers"] if scorer["plugin"] == plugin]
+    if not scorers:
+        raise ValueError(f"the prefix-aware profile has no scorer {plugin!r}")
+    for scorer in scorers:
+        scorer["weight"] = weight
+    return PolicyConfig("prefix-aware", params)
 
 
 def engine_config(workload: Workload, profile: Profile) -> EngineConfig:

@@ -12,6 +12,12 @@ import pytest
 from lig.cli import main
 from scheduling.token_blocks import block_keys, root_key
 from scheduling_bench import fleet
+from scheduling_bench.default_sweep import (
+    KV_EVENT_DELAYS,
+    PREFIX_SOURCE_POINTS,
+    PREFIX_SOURCE_POLICIES,
+    prefix_source_points,
+)
 from scheduling_bench.fleet import FleetConfig, simulate
 from scheduling_bench.kv_feed import KVEventFeed, TokenIdPrompts
 from scheduling_bench.prompts import segment_text
@@ -189,3 +195,20 @@ def test_precise_prefix_routing_beats_none_on_prefix_cache_hits() -> None:
     assert precise.prefix_cache_hit_rate > blind.prefix_cache_hit_rate + 0.15
     assert precise.ttft.p90 is not None and blind.ttft.p90 is not None
     assert precise.ttft.p90 < blind.ttft.p90
+
+
+def test_the_prefix_source_sweep_runs_every_source_on_the_same_token_id_requests() -> None:
+    sweep = prefix_source_points()
+    compared, by_delay = sweep[:-len(KV_EVENT_DELAYS)], sweep[-len(KV_EVENT_DELAYS):]
+    assert len(compared) == len(PREFIX_SOURCE_POINTS) * len(PREFIX_SOURCE_POLICIES)
+    assert all(p.workload.token_ids and not p.workload.chat for p in sweep)
+    settings: dict[tuple[str, float, int, bool], list[str]] = {}
+    for p in compared:
+        settings.setdefault((p.workload.name, p.rate, p.pickers, p.shared_decisions),
+                            []).append(p.label)
+    assert all(labels == list(PREFIX_SOURCE_POLICIES) for labels in settings.values())
+    assert ("shared-prefix", 100.0, 4, False) in settings
+    assert [p.kv_event_delay for p in by_delay] == list(KV_EVENT_DELAYS)
+    assert {p.label for p in by_delay} == {"default+precise"}
+    fit = next(p.workload for p in compared if p.rate == 100.0)
+    assert (fit.prefix_groups, fit.prefix_tokens) == (256, 4_000)
