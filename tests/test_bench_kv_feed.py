@@ -21,6 +21,7 @@ from scheduling_bench.default_sweep import (
 from scheduling_bench.fleet import FleetConfig, simulate
 from scheduling_bench.kv_feed import KVEventFeed, TokenIdPrompts
 from scheduling_bench.prompts import segment_text
+from scheduling_bench.results import RunMetrics
 from scheduling_bench.runner import Point, parse_policy, run_point
 from scheduling_bench.workloads import BASE_MODEL, WORKLOADS, BenchRequest, Workload, generate
 from shared.kv_blocks import KVBlockChanges
@@ -212,3 +213,15 @@ def test_the_prefix_source_sweep_runs_every_source_on_the_same_token_id_requests
     assert {p.label for p in by_delay} == {"default+precise"}
     fit = next(p.workload for p in compared if p.rate == 100.0)
     assert (fit.prefix_groups, fit.prefix_tokens) == (256, 4_000)
+
+
+def test_lig_bench_compares_prefix_sources_from_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = main(["bench", "--workload", "shared-prefix", "--token-ids", "--policies",
+                 "default+no-prefix,default+precise", "--kv-event-delay", "0.05", "--rates", "60",
+                 "--duration", "2", "--jobs", "1", "--no-plots", "--out", str(out)])
+    assert code == 0
+    results = msgspec.json.decode((out / "results.json").read_bytes(), type=list[RunMetrics])
+    assert [(r.policy, r.kv_event_delay) for r in results] == [
+        ("default+no-prefix", 0.0), ("default+precise", 0.05)]
+    assert results[1].prefix_cache_hit_rate > results[0].prefix_cache_hit_rate
