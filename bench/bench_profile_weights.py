@@ -18,21 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import msgspec
-
-from scheduling.profile import PREFIX_AWARE
-from scheduling_bench.runner import Point, run_points
+from scheduling_bench.runner import Point, run_points, with_scorer_weight
 from scheduling_bench.workloads import WORKLOADS
 from shared.schemas import PolicyConfig
-
-
-def with_lora_weight(weight: float) -> PolicyConfig:
-    """``prefix-aware`` with the default profile, ``lora_fit`` at ``weight``."""
-    params = msgspec.to_builtins(PREFIX_AWARE)
-    for scorer in params["scorers"]:
-        if scorer["plugin"] == "lora_fit":
-            scorer["weight"] = weight
-    return PolicyConfig("prefix-aware", params)
 
 
 def main() -> int:
@@ -49,7 +37,7 @@ def main() -> int:
     workload = WORKLOADS[args.workload]
     rates = [float(rate) for rate in args.rates.split(",")]
     policies = [("filter-tree", PolicyConfig("filter-tree"))] + [
-        (f"lora_fit {weight}", with_lora_weight(float(weight)))
+        (f"lora_fit {weight}", with_scorer_weight("lora_fit", float(weight)))
         for weight in args.weights.split(",")]
     points = [Point(workload, policy, rate, args.duration, seed=args.seed, pickers=args.pickers,
                     alias=label) for rate in rates for label, policy in policies]

@@ -22,7 +22,13 @@ import msgspec
 
 from scheduling_bench import report
 from scheduling_bench.results import RunMetrics
-from scheduling_bench.runner import Point, engine_config, parse_policy, run_points
+from scheduling_bench.runner import (
+    ORACLE_SUFFIX,
+    Point,
+    engine_config,
+    parse_policy,
+    run_points,
+)
 from scheduling_bench.workloads import WORKLOADS
 from shared.schemas import PolicyConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
@@ -64,6 +70,21 @@ REPLICA_VARIANTS = ((1, True), (4, True), (4, False))  # (pickers, shared decisi
 PREFIX_FIT = {"prefix_groups": 256, "prefix_tokens": 4_000}
 PREFIX_FIT_RATE = 100.0
 PREFIX_FIT_POLICIES = ("round-robin", "filter-tree", "default", "default+oracle")
+
+# Where prefix matches come from (issue 16): none, the approximate index, the pods' KV-cache
+# events (precise), each also with exact state. Workloads send token ids (the engines compute on
+# them, so the events carry them); the first is the shared prefix that does not fit, then the
+# same with 4 picker replicas that do not share decisions (each one's approximate index sees a
+# quarter of the routing), then presets. (workload, its overrides, rate, pickers, shared).
+PREFIX_SOURCE_POLICIES = ("default+no-prefix", "default", "default+precise", "default+oracle",
+                          "default+precise+oracle")
+PREFIX_SOURCE_POINTS: tuple[tuple[str, dict[str, int], float, int, bool], ...] = (
+    ("shared-prefix", PREFIX_FIT, PREFIX_FIT_RATE, 1, True),
+    ("shared-prefix", PREFIX_FIT, PREFIX_FIT_RATE, 4, False),
+    ("shared-prefix", {}, 180.0, 1, True), ("chat", {}, 180.0, 1, True),
+    ("multi-turn", {}, 180.0, 1, True))
+# The precise index on the first of them, by KV-event delay (seconds).
+KV_EVENT_DELAYS = (0.005, 0.03, 0.1, 0.3)
 
 
 def points(trace: str) -> list[Point]:
@@ -162,6 +183,96 @@ def prefix_fit_points() -> list[Point]:
     ]
 
 
+def prefix_source_points() -> list[Point]:
+    """The points of the prefix-source comparison, then those of its event-delay table."""
+    result: list[Point] = []
+    for name, fields, rate, pickers, shared in PREFIX_SOURCE_POINTS:
+        workload = msgspec.structs.replace(WORKLOADS[name], **fields, token_ids=True, chat=False)
+        result.extend(Point(workload=workload, **parse_policy(label).fields(), rate=rate,
+                            duration=DURATION, seed=SEED, pickers=pickers,
+                            shared_decisions=shared)
+                      for label in PREFIX_SOURCE_POLICIES)
+    return result + kv_event_delay_points()
+
+
+def kv_event_delay_points() -> list[Point]:
+    """``default+precise`` on the first prefix-source workload at every :data:`KV_EVENT_DELAYS`."""
+    name, fields, rate, _, _ = PREFIX_SOURCE_POINTS[0]
+    workload = msgspec.structs.replace(WORKLOADS[name], **fields, token_ids=True, chat=False)
+    return [Point(workload=workload, **parse_policy("default+precise").fields(), rate=rate,
+                  duration=DURATION, seed=SEED, kv_event_delay=delay)
+            for delay in KV_EVENT_DELAYS]
+
+
+def prefix_source_table(results: Sequence[RunMetrics]) -> str:
+    """TTFT and prefix-cache hits by prefix source, with TTFT p90 against the approximate
+    index's (``default``) and the hit rate against the oracle's of the same source."""
+    lines = [
+        "| workload | rate (req/s) | pickers | policy | TTFT p50 | TTFT p90 | TTFT p99 "
+        "| prefix hit | prompt tokens computed | p90 / default | hit / its +oracle |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_label = {(_setting(r), r.policy): r for r in results}
+    for r in results:
+        approximate = by_label.get((_setting(r), "default"))
+        oracle = by_label.get((_setting(r), r.policy.removesuffix(ORACLE_SUFFIX) + ORACLE_SUFFIX))
+        lines.append(
+            f"| {r.workload} | {r.rate:g} | {_pickers(r)} | {r.policy} {_ttft_cells(r)} "
+            f"| {r.prefix_cache_hit_rate:.1%} | {r.computed_prompt_tokens / 1e6:.2f} M "
+            f"| {_ratio(r.ttft.p90, approximate.ttft.p90 if approximate else None)} "
+            f"| {_ratio(r.prefix_cache_hit_rate, oracle.prefix_cache_hit_rate if oracle else None)}"
+            " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ttft_cells(r: RunMetrics) -> str:
+    """The TTFT p50, p90 and p99 cells of a row (seconds), each after its ``|``."""
+    ttft = r.ttft
+    return " ".join(f"| {report.format_seconds(value)}" for value in (ttft.p50, ttft.p90,
+                                                                    ttft.p99))
+
+
+def _setting(r: RunMetrics) -> tuple[str, float, int, bool]:
+    """What a prefix-source comparison holds fixed: every row of one setting is one policy."""
+    return (r.workload, r.rate, r.pickers, r.shared_decisions)
+
+
+def _pickers(r: RunMetrics) -> str:
+    """Picker replicas, and whether they shared decisions."""
+    if r.pickers == 1:
+        return "1"
+    return f"{r.pickers}, {'shared' if r.shared_decisions else 'not shared'}"
+
+
+def kv_event_delay_table(results: Sequence[RunMetrics]) -> str:
+    """The precise index's TTFT and hits by KV-event delay."""
+    lines = [
+        "| KV-event delay | TTFT p50 | TTFT p90 | TTFT p99 | prefix hit |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.kv_event_delay * 1000:g} ms {_ttft_cells(r)} | {r.prefix_cache_hit_rate:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def prefix_source_blocks(results: Sequence[RunMetrics]) -> dict[str, str]:
+    """The document's generated blocks of :func:`prefix_source_points`' results."""
+    delays = len(KV_EVENT_DELAYS)
+    return {"prefix-sources": prefix_source_table(results[:-delays]),
+            "kv-event-delay": kv_event_delay_table(results[-delays:])}
+
+
+def regenerate_prefix_sources(doc: Path, jobs: int) -> list[RunMetrics]:
+    """Run only the prefix-source comparison and rewrite its blocks of ``doc``."""
+    text = doc.read_text()
+    results = run_points(prefix_source_points(), jobs=jobs)
+    doc.write_text(replace_blocks(text, prefix_source_blocks(results)))
+    return results
+
+
 def freshness_table(results: Sequence[RunMetrics]) -> str:
     """Latencies by scrape interval and picker replicas (seconds)."""
     lines = [
@@ -170,9 +281,8 @@ def freshness_table(results: Sequence[RunMetrics]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r.scrape_interval * 1000:g} ms | {r.pickers} | {r.policy} "
-            f"| {report.format_seconds(r.ttft.p50)} | {report.format_seconds(r.ttft.p90)} "
-            f"| {report.format_seconds(r.ttft.p99)} | {report.format_seconds(r.itl.p99)} |"
+            f"| {r.scrape_interval * 1000:g} ms | {r.pickers} | {r.policy} {_ttft_cells(r)} "
+            f"| {report.format_seconds(r.itl.p99)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -202,19 +312,21 @@ def replace_blocks(text: str, blocks: dict[str, str]) -> str:
 def regenerate(doc: Path, trace: str, command: Sequence[str], jobs: int) -> list[RunMetrics]:
     """Run the default sweep and rewrite ``doc``'s generated blocks and plots."""
     text = doc.read_text()
-    groups = [points(trace), freshness_points(), replica_points(), prefix_fit_points()]
+    groups = [points(trace), freshness_points(), replica_points(), prefix_fit_points(),
+              prefix_source_points()]
     everything = run_points([point for group in groups for point in group], jobs=jobs)
     parts = []
     for group in groups:
         parts.append(everything[: len(group)])
         everything = everything[len(group):]
-    results, freshness, replicas, prefix_fit = parts
+    results, freshness, replicas, prefix_fit, prefix_sources = parts
     image_dir = doc.parent / doc.stem
     blocks = {
         "setup": _setup_block(command),
         "freshness": freshness_table(freshness),
         "replicas": replica_table(replicas),
         "prefix-fit": report.markdown_table(prefix_fit),
+        **prefix_source_blocks(prefix_sources),
     }
     for name in RATES:
         runs = [r for r in results if r.workload == name]

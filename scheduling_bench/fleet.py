@@ -18,7 +18,17 @@ What is modelled, and how it maps to production:
   phase) into the ``PodMetrics`` the collector publishes; ``propagation_delay`` later every
   replica decodes and applies it (``SnapshotSink``, as from NATS).
 - ``oracle``: before each decision the deciding replica also gets a snapshot of every pod's exact
-  state at that instant: the bound no scrape-fed picker can beat.
+  state at that instant: the bound no scrape-fed picker can beat (with ``prefix`` "precise", it
+  also gets every KV-cache event at once: no event delay).
+- ``prefix``: where the replicas' prefix matches come from. "approximate" (``lig picker``'s
+  default): each replica's prefix index of the prompt blocks it sent where. "precise": the pods'
+  KV-cache events (``scheduling_bench/kv_feed.py``): after each engine step, the blocks it
+  cached or evicted reach every replica's precise index ``kv_event_delay`` seconds later, as
+  ``lig sim`` -> ``lig kv-events`` -> NATS delivers them; the replicas read prompts of token ids
+  (workloads with ``token_ids``) through :class:`~scheduling_bench.kv_feed.TokenIdPrompts`, and
+  run without the approximate index, so that the matches are the events' alone.
+  "none": no prefix index (``lig picker --prefix-index-entries 0``), the same policy blind to
+  prefixes.
 - ``shared_decisions`` (with a core that supports the decision stream): each replica's own
   routed/finished/shed events reach every other replica ``decision_delay`` seconds later
   (``Gateway.apply_peer``), as the decision stream on NATS delivers them.
@@ -37,15 +47,18 @@ import enum
 import random
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 
+from scheduling_bench.kv_feed import KVEventFeed, TokenIdPrompts
 from scheduling_bench.workloads import BASE_MODEL, OBJECTIVES, BenchRequest
 from services.picker.core import build_gateway
 from services.picker.metrics_feed import SnapshotSink
 from services.picker.pools import Gateway
-from services.picker.routing import DecisionCallback, Rejected, Routed
+from services.picker.routing import DecisionCallback, Rejected, Routed, Router
 from services.picker.settings import PickerSettings
+from shared.kv_blocks import KVBlockChanges
 from shared.registry_view import RegistryView
 from shared.schemas import (
     DecisionBatch,
@@ -71,6 +84,16 @@ from simulator.virtual_time import ARRIVAL, DELIVERY, SCRAPE, EventLoop, Virtual
 POOL = "bench"
 PORT = 8000
 
+PrefixSource = Literal["approximate", "precise", "none"]
+PREFIX_SOURCES: tuple[PrefixSource, ...] = ("approximate", "precise", "none")
+DEFAULT_KV_EVENT_DELAY = 0.03
+"""Seconds from the end of the engine step that cached a block until the pickers' precise
+indexes hold it. vLLM publishes a step's events when the step's output is processed; then a ZMQ
+hop, ``lig kv-events`` (decode, sequence check, NATS publish) and the picker's subscription
+(decode, apply): a few milliseconds on one machine (``bench/bench_kv_events.py``), tens across a
+cluster with publish batching and a loaded event loop. 30 ms is the middle of that range; the
+``--kv-event-delay`` flag varies it."""
+
 
 class FleetConfig(msgspec.Struct, frozen=True):
     """The fleet around the policy: pods, picker replicas, metric freshness, engine settings."""
@@ -89,6 +112,12 @@ class FleetConfig(msgspec.Struct, frozen=True):
     """Replicas apply each other's decisions (``lig picker --no-shared-decisions`` is False)."""
     decision_delay: float = 0.002
     """Seconds from a replica's decision until its peers have applied it."""
+    prefix: PrefixSource = "approximate"
+    """Where prefix matches come from: "approximate", "precise" (KV-cache events) or "none"."""
+    kv_event_delay: float = DEFAULT_KV_EVENT_DELAY
+    """Seconds from an engine step until its KV-cache events reach the replicas ("precise")."""
+    speculative_ttl: float | None = None
+    """``lig picker --speculative-ttl`` ("precise"); None: the picker's default."""
     engine: EngineConfig = EngineConfig()
 
 
@@ -160,6 +189,14 @@ class _Replica:
         self.sink = SnapshotSink(gateway.table, on_undecodable=_refused, on_wrong_address=_refused)
 
 
+def _router(gateway: Gateway) -> Router:
+    """The replica's router of the bench's pool."""
+    router = gateway.router(POOL)
+    if router is None:
+        raise RuntimeError(f"a picker replica does not serve the pool {POOL}")
+    return router
+
+
 def _picker_id(replica: int) -> str:
     return f"picker-{replica}"
 
@@ -183,8 +220,15 @@ class _Simulation:
             raise ValueError("a fleet needs at least one pod and one picker")
         if config.scrape_interval <= 0 or config.propagation_delay < 0:
             raise ValueError("scrape_interval must be > 0 and propagation_delay >= 0")
-        if config.decision_delay < 0:
-            raise ValueError("decision_delay must be >= 0")
+        if config.decision_delay < 0 or config.kv_event_delay < 0:
+            raise ValueError("decision_delay and kv_event_delay must be >= 0")
+        if config.prefix not in PREFIX_SOURCES:
+            raise ValueError(f"prefix must be one of {', '.join(PREFIX_SOURCES)}")
+        if config.prefix == "precise" and not all(request.token_ids for request in requests):
+            # Text prompts would need a tokenizer: the replicas would fall back to the
+            # approximate index, and the run would measure that under the precise label.
+            raise ValueError("the precise prefix index needs a workload that sends token ids "
+                             "(lig bench --token-ids)")
         self.requests = requests
         self.config = config
         self.clock = VirtualClock()
@@ -196,7 +240,16 @@ class _Simulation:
         self.index = {name: pod for pod, name in enumerate(self.names)}
         self.seq = [0] * config.pods
         self.shared = config.shared_decisions and config.pickers > 1
-        settings = PickerSettings(pools=[POOL], load_estimate=config.load_estimate)
+        # "precise" runs without the approximate index (which the router would consult for
+        # pods without events only, before their first event here): its numbers are the
+        # events' alone.
+        defaults = PickerSettings()
+        settings = PickerSettings(
+            pools=[POOL], load_estimate=config.load_estimate,
+            prefix_index_entries=defaults.prefix_index_entries
+            if config.prefix == "approximate" else 0,
+            speculative_ttl=defaults.speculative_ttl if config.speculative_ttl is None
+            else config.speculative_ttl)
         view = registry_view(policy, self.names, (BASE_MODEL, *config.engine.adapters))
         self.replicas = []
         for replica in range(config.pickers):
@@ -207,7 +260,14 @@ class _Simulation:
                                     clock=self.clock.now, on_decision=on_decision,
                                     picker_id=_picker_id(replica))
             gateway.update(view)
+            if config.prefix == "precise":
+                _router(gateway).tokenizer = TokenIdPrompts()
             self.replicas.append(_Replica(gateway))
+        self.feeds: list[KVEventFeed] = []
+        if config.prefix == "precise":
+            for pod, engine in enumerate(self.engines):
+                KVEventFeed.attach(engine.kv)
+                self.feeds.append(KVEventFeed(POOL, self.names[pod], f"{_address(pod)}:{PORT}"))
         self.spread = random.Random(f"spread/{seed}")
         self.phases = random.Random(f"scrape-phase/{seed}")
         count = len(requests)
@@ -252,6 +312,22 @@ class _Simulation:
         subject = f"lig.metrics.{POOL}.{self.names[pod]}"
         for replica in self.replicas:
             replica.sink.accept(subject, data)
+
+    # --- KV-cache events ----------------------------------------------------------------------
+
+    def _kv_events(self, now: float, pod: int) -> None:
+        """Send the events of the step pod ``pod`` just ended (none: nothing)."""
+        changes = self.feeds[pod].take(self.engines[pod].kv, now)
+        if changes is None:
+            return
+        if self.config.oracle:
+            self._apply_kv(now, changes)
+        else:
+            self.loop.at(now + self.config.kv_event_delay, DELIVERY, self._apply_kv, changes)
+
+    def _apply_kv(self, now: float, changes: KVBlockChanges) -> None:
+        for replica in self.replicas:
+            _router(replica.gateway).precise.apply(changes)
 
     # --- shared decisions ----------------------------------------------------------------------
 
@@ -303,11 +379,8 @@ class _Simulation:
             return
         pod = self.index[routed.pod]
         adapter = None if routed.target_model == BASE_MODEL else routed.target_model
-        spec = request.spec
-        if spec.adapter != adapter:
-            spec = msgspec.structs.replace(spec, adapter=adapter)
         try:
-            record = self.engines[pod].submit(spec)
+            record = self.engines[pod].submit(request.engine_spec(adapter))
         except RequestRejected:
             self._done(now, index, Outcome.REJECTED)
             return
@@ -331,6 +404,8 @@ class _Simulation:
 
     def _stepped(self, pod: int, result: StepResult) -> None:
         now = self.clock.now()
+        if self.feeds:
+            self._kv_events(now, pod)
         for record in result.finished:
             replica, routed, index = self.owner.pop(id(record))
             replica.gateway.finished(routed)

@@ -25,6 +25,7 @@ import msgspec
 
 from scheduling import PolicyConfigError, build_policy, policy_names
 from scheduling_bench import default_sweep, report
+from scheduling_bench.fleet import DEFAULT_KV_EVENT_DELAY
 from scheduling_bench.recorded_trace import (
     DEFAULT_OUTPUT_TOKENS,
     RecordedTrace,
@@ -33,7 +34,9 @@ from scheduling_bench.recorded_trace import (
 )
 from scheduling_bench.runner import (
     DEFAULT_POLICY,
+    NO_PREFIX_SUFFIX,
     ORACLE_SUFFIX,
+    PRECISE_SUFFIX,
     RAW_SUFFIX,
     Point,
     parse_policy,
@@ -77,8 +80,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``lig bench``."""
     parser.add_argument(
         "--sweep",
-        choices=["default"],
-        help="run the default sweep and rewrite --doc's numbers and plots (needs --trace)",
+        choices=["default", "prefix-sources"],
+        help="'default': run the default sweep and rewrite --doc's numbers and plots (needs "
+        "--trace); 'prefix-sources': run only its comparison of prefix sources (none, "
+        "approximate, precise) and rewrite those tables",
     )
     parser.add_argument(
         "--doc", type=Path, default=Path("docs/benchmarks.md"), help="document --sweep rewrites"
@@ -112,8 +117,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"'{DEFAULT_POLICY}' is the policy lig picker runs by default; a name ending in "
         f"{RAW_SUFFIX} runs without the pickers' load estimate, on the scraped metrics alone "
         f"(lig picker --no-load-estimate, as upstream); one ending in {ORACLE_SUFFIX} decides "
-        "on every pod's exact state at decision time (no scrape delay): the bound no real "
-        "picker can beat",
+        "on every pod's exact state at decision time (no scrape delay, no KV-event delay): the "
+        f"bound no real picker can beat; one ending in {PRECISE_SUFFIX} takes prefix matches "
+        "from the pods' KV-cache events (the precise prefix index; needs --token-ids), one "
+        f"ending in {NO_PREFIX_SUFFIX} runs without a prefix index",
+    )
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="clients send completion prompts as token ids (the engines compute on the same "
+        "ids, so their KV-cache events carry them), instead of the workload's chat or text "
+        f"prompts: what {PRECISE_SUFFIX} needs",
+    )
+    parser.add_argument(
+        "--kv-event-delay",
+        type=float,
+        default=DEFAULT_KV_EVENT_DELAY,
+        help="seconds from the engine step that cached or evicted blocks until the pickers' "
+        f"precise prefix index has the event ({PRECISE_SUFFIX}; lig sim -> lig kv-events -> "
+        "NATS -> picker)",
     )
     # The next three are absent unless given: their defaults depend on --trace-from-recording.
     parser.add_argument(
@@ -176,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sweep == "default":
             return _run_default_sweep(args)
+        if args.sweep == "prefix-sources":
+            return _run_prefix_sources(args)
         return _run_sweep(args)
     except (UsageError, TraceError, PolicyConfigError, ValueError) as error:
         print(f"lig bench: {error}", file=sys.stderr)
@@ -197,6 +221,14 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_prefix_sources(args: argparse.Namespace) -> int:
+    if not args.doc.is_file():
+        raise UsageError(f"{args.doc}: no such document")
+    default_sweep.regenerate_prefix_sources(args.doc, args.jobs)
+    print(f"rewrote the prefix-source tables of {args.doc}")
+    return 0
+
+
 def _run_sweep(args: argparse.Namespace) -> int:
     recorded = _recorded_trace(args) if args.trace_from_recording else None
     if hasattr(args, "pool") and recorded is None:
@@ -206,6 +238,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
     choices = [parse_policy(label) for label in labels]
     for choice in choices:  # fail on a bad name before any run starts
         build_policy(choice.policy, random.Random(0))
+    if any(choice.prefix == "precise" for choice in choices) and not workload.token_ids:
+        raise UsageError(f"{PRECISE_SUFFIX} needs prompts of token ids: pass --token-ids")
     given_rates: str | None = getattr(args, "rates", None)
     if given_rates is not None:
         rates = _numbers(given_rates, "--rates")
@@ -220,6 +254,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
         raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
     if args.decision_delay < 0:
         raise UsageError("--decision-delay must be >= 0")
+    if args.kv_event_delay < 0:
+        raise UsageError("--kv-event-delay must be >= 0")
     profile = load_profile(args.profile)
     if not args.no_plots:
         _require_matplotlib()
@@ -229,6 +265,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
             **choice.fields(),
             shared_decisions=args.shared_decisions,
             decision_delay=args.decision_delay,
+            kv_event_delay=args.kv_event_delay,
             rate=rate,
             duration=_duration(duration, recorded, rate),
             seed=args.seed,
@@ -312,6 +349,8 @@ def _workload(args: argparse.Namespace) -> Workload:
     overrides = {
         field: getattr(args, field) for field in _WORKLOAD_FLAGS if getattr(args, field) is not None
     }
+    if args.token_ids:
+        overrides.update(token_ids=True, chat=False)
     if args.trace:
         read_trace(args.trace)  # a bad trace fails here, before any run starts
         overrides["trace"] = args.trace

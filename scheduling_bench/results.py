@@ -79,6 +79,9 @@ class RunMetrics(msgspec.Struct, frozen=True):
     """Picker replicas applied each other's decisions (the decision stream)."""
     decision_delay: float = 0.0
     """Seconds a decision took to reach the other replicas, when shared."""
+    kv_event_delay: float = 0.0
+    """Seconds from an engine step until its KV-cache events reached the pickers' precise
+    prefix index (0 when the run had none, or with ``+oracle``)."""
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float | None:
@@ -109,6 +112,7 @@ def summarize(
     propagation_delay: float,
     seed: int,
     decision_delay: float = 0.0,
+    kv_event_delay: float = 0.0,
 ) -> RunMetrics:
     """Reduce a run to its :class:`RunMetrics`."""
     ttft: list[float] = []
@@ -171,6 +175,7 @@ def summarize(
         wall_seconds=run.wall_seconds,
         shared_decisions=run.shared_decisions,
         decision_delay=decision_delay if run.shared_decisions else 0.0,
+        kv_event_delay=kv_event_delay,
     )
 
 

@@ -13,7 +13,8 @@ from typing import TypedDict
 
 import msgspec
 
-from scheduling_bench.fleet import FleetConfig, simulate
+from scheduling.profile import PREFIX_AWARE
+from scheduling_bench.fleet import DEFAULT_KV_EVENT_DELAY, FleetConfig, PrefixSource, simulate
 from scheduling_bench.results import RunMetrics, summarize
 from scheduling_bench.workloads import Workload, adapter_names, generate
 from shared.schemas import PolicyConfig
@@ -28,6 +29,14 @@ ORACLE_SUFFIX = "+oracle"
 delay): ``default+oracle``, the bound no real picker can beat."""
 DEFAULT_POLICY = "default"
 """The policy name meaning whatever ``lig picker`` runs when its pool names no policy."""
+PRECISE_SUFFIX = "+precise"
+"""A policy name ending in this takes its prefix matches from the pods' KV-cache events (the
+precise prefix index, ``FleetConfig.prefix`` "precise") instead of the approximate index:
+``default+precise``. Needs a workload that sends token ids (``token_ids``)."""
+NO_PREFIX_SUFFIX = "+no-prefix"
+"""A policy name ending in this runs without any prefix index (``--prefix-index-entries 0``):
+``default+no-prefix``, the same policy blind to prefixes."""
+_PREFIX_SUFFIXES: dict[str, PrefixSource] = {PRECISE_SUFFIX: "precise", NO_PREFIX_SUFFIX: "none"}
 
 
 class Point(msgspec.Struct, frozen=True):
@@ -49,13 +58,20 @@ class Point(msgspec.Struct, frozen=True):
     decision_delay: float = 0.002
     alias: str | None = None
     """The name the policy was asked by (``default``), when not its own."""
+    prefix: PrefixSource = "approximate"
+    kv_event_delay: float = DEFAULT_KV_EVENT_DELAY
+    speculative_ttl: float | None = None
+    """``lig picker --speculative-ttl`` (None: its default)."""
 
     @property
     def label(self) -> str:
         """The policy as results name it: its name (or alias), with ``+raw`` when the estimate
-        is off and ``+oracle`` when it decides on exact state."""
+        is off, ``+precise`` / ``+no-prefix`` for its prefix source and ``+oracle`` when it
+        decides on exact state."""
+        source = next((suffix for suffix, prefix in _PREFIX_SUFFIXES.items()
+                       if prefix == self.prefix), "")
         return ((self.alias or self.policy.name) + ("" if self.load_estimate else RAW_SUFFIX)
-                + (ORACLE_SUFFIX if self.oracle else ""))
+                + source + (ORACLE_SUFFIX if self.oracle else ""))
 
 
 class PolicyFields(TypedDict):
@@ -65,6 +81,7 @@ class PolicyFields(TypedDict):
     load_estimate: bool
     oracle: bool
     alias: str | None
+    prefix: PrefixSource
 
 
 class PolicyChoice(msgspec.Struct, frozen=True):
@@ -74,25 +91,48 @@ class PolicyChoice(msgspec.Struct, frozen=True):
     load_estimate: bool = True
     oracle: bool = False
     alias: str | None = None
+    prefix: PrefixSource = "approximate"
 
     def fields(self) -> PolicyFields:
         """The :class:`Point` fields this choice sets."""
         return PolicyFields(policy=self.policy, load_estimate=self.load_estimate,
-                            oracle=self.oracle, alias=self.alias)
+                            oracle=self.oracle, alias=self.alias, prefix=self.prefix)
 
 
 def parse_policy(label: str) -> PolicyChoice:
     """``filter-tree`` -> its default config; ``+raw`` turns the estimate off, ``+oracle`` gives
-    exact state (in any order); ``default`` is the picker's default policy (``PolicyConfig()``)."""
+    exact state, ``+precise`` / ``+no-prefix`` pick the prefix source (in any order; ValueError
+    for both); ``default`` is the picker's default policy (``PolicyConfig()``)."""
     name, raw, oracle = label, False, False
-    while name.endswith((RAW_SUFFIX, ORACLE_SUFFIX)):
-        if name.endswith(RAW_SUFFIX):
-            name, raw = name.removesuffix(RAW_SUFFIX), True
+    prefix: PrefixSource | None = None
+    suffixes = (RAW_SUFFIX, ORACLE_SUFFIX, *_PREFIX_SUFFIXES)
+    while name.endswith(suffixes):
+        suffix = next(suffix for suffix in suffixes if name.endswith(suffix))
+        name = name.removesuffix(suffix)
+        if suffix == RAW_SUFFIX:
+            raw = True
+        elif suffix == ORACLE_SUFFIX:
+            oracle = True
+        elif prefix is not None and prefix != _PREFIX_SUFFIXES[suffix]:
+            raise ValueError(f"{label}: {PRECISE_SUFFIX} and {NO_PREFIX_SUFFIX} exclude each other")
         else:
-            name, oracle = name.removesuffix(ORACLE_SUFFIX), True
+            prefix = _PREFIX_SUFFIXES[suffix]
+    source: PrefixSource = prefix or "approximate"
     if name == DEFAULT_POLICY:
-        return PolicyChoice(PolicyConfig(), not raw, oracle, DEFAULT_POLICY)
-    return PolicyChoice(PolicyConfig(name=name), not raw, oracle)
+        return PolicyChoice(PolicyConfig(), not raw, oracle, DEFAULT_POLICY, source)
+    return PolicyChoice(PolicyConfig(name=name), not raw, oracle, prefix=source)
+
+
+def with_scorer_weight(plugin: str, weight: float) -> PolicyConfig:
+    """``prefix-aware`` with the default profile but the scorer ``plugin`` at ``weight`` (for
+    the weight studies in bench/)."""
+    params = msgspec.to_builtins(PREFIX_AWARE)
+    scorers = [scorer for scorer in params["scorers"] if scorer["plugin"] == plugin]
+    if not scorers:
+        raise ValueError(f"the prefix-aware profile has no scorer {plugin!r}")
+    for scorer in scorers:
+        scorer["weight"] = weight
+    return PolicyConfig("prefix-aware", params)
 
 
 def engine_config(workload: Workload, profile: Profile) -> EngineConfig:
@@ -118,6 +158,9 @@ def run_point(point: Point) -> RunMetrics:
         oracle=point.oracle,
         shared_decisions=point.shared_decisions,
         decision_delay=point.decision_delay,
+        prefix=point.prefix,
+        kv_event_delay=point.kv_event_delay,
+        speculative_ttl=point.speculative_ttl,
         engine=engine_config(point.workload, point.profile),
     )
     run = simulate(requests, point.policy, config, point.seed)
@@ -132,6 +175,8 @@ def run_point(point: Point) -> RunMetrics:
         propagation_delay=point.propagation_delay,
         seed=point.seed,
         decision_delay=point.decision_delay,
+        kv_event_delay=point.kv_event_delay if point.prefix == "precise" and not point.oracle
+        else 0.0,
     )
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from scheduling_bench.prompts import request_body
+from scheduling_bench.prompts import prompt_ids, request_body
 from scheduling_bench.recorded_trace import read_recorded_trace
 from shared.schemas import Criticality
 from simulator.engine import RequestSpec, SyntheticPrompt
@@ -86,6 +86,10 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (no length caps; see ``scheduling_bench/recorded_trace.py``)."""
     recording_pool: str | None = None
     """The recorded pool to play (None: the recording's only pool with decision records)."""
+    token_ids: bool = False
+    """Completion prompts are sent as token ids (needs ``chat`` False), and the engines compute
+    on those ids, so their KV-cache events carry them: what the precise prefix index
+    (``lig bench --policies default+precise``) keys blocks by."""
 
     def validate(self) -> Workload:
         """Return self, or raise ValueError naming the first field that cannot work."""
@@ -100,6 +104,9 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"workload {self.name}: {field} must be >= 0")
         if self.adapters < 0 or self.max_loras < 1:
             raise ValueError(f"workload {self.name}: adapters must be >= 0, max_loras >= 1")
+        if self.token_ids and self.chat:
+            raise ValueError(f"workload {self.name}: token_ids needs chat false (token ids are "
+                             "a completion prompt)")
         if (self.prefix_groups > 0) != (self.prefix_tokens > 0):
             raise ValueError(f"workload {self.name}: set both prefix_groups and prefix_tokens")
         if self.recording is not None and (self.trace is not None or self.turns > 1
@@ -177,13 +184,29 @@ class BenchRequest(msgspec.Struct, frozen=True):
     think: float = 0.0
     then: int = -1
     """Index of the next turn of the conversation (-1: none)."""
+    token_ids: bool = False
+    """The client sends the prompt as token ids (:func:`prompt_ids` of ``spec.prompt``), and the
+    engine computes on them (:meth:`engine_spec`)."""
 
     def body(self) -> bytes:
         """The JSON body the client sends."""
         prompt = self.spec.prompt
         if not isinstance(prompt, SyntheticPrompt):  # the bench generates synthetic text only
             raise TypeError("a bench request's prompt is synthetic text, not token ids")
-        return request_body(self.model, prompt, self.roles, self.spec.max_tokens)
+        sent = prompt_ids(prompt) if self.token_ids else prompt
+        return request_body(self.model, sent, self.roles, self.spec.max_tokens)
+
+    def engine_spec(self, adapter: str | None) -> RequestSpec:
+        """What the engine computes for this request on ``adapter`` (the picker's target): the
+        synthetic prompt, or its token ids when the client sent ids (made when submitted: the
+        generated request list stays small)."""
+        spec = self.spec
+        if self.token_ids:
+            assert isinstance(spec.prompt, SyntheticPrompt)
+            return msgspec.structs.replace(spec, prompt=prompt_ids(spec.prompt), adapter=adapter)
+        if spec.adapter != adapter:
+            return msgspec.structs.replace(spec, adapter=adapter)
+        return spec
 
     @property
     def objective(self) -> str:
@@ -342,6 +365,7 @@ def _request(workload: Workload, time: float, request_id: str,
         roles=roles if workload.chat else None,
         after=after,
         think=think,
+        token_ids=workload.token_ids,
     )
 
 

@@ -85,7 +85,8 @@ def test_replace_blocks_rewrites_only_the_generated_parts() -> None:
 
 def test_the_checked_in_document_has_every_generated_block() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-    blocks = {name: "" for name in [*RATES, "setup", "freshness", "replicas", "prefix-fit"]}
+    blocks = {name: "" for name in [*RATES, "setup", "freshness", "replicas", "prefix-fit",
+                                          "prefix-sources", "kv-event-delay"]}
     replace_blocks(doc.read_text(), blocks)  # raises when a block is missing
 
 
