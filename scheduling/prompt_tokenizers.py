@@ -259,6 +259,9 @@ class HFTokenizer(_Tokenizer):
         self._openai_content = bool(template and _LOOPS_OVER_CONTENT.search(template.source))
         added = tokenizer.get_added_tokens_decoder()
         self._special_ids = {token.content: token_id for token_id, token in added.items()}
+        # Added tokens that swallow the whitespace before (lstrip) or after (rstrip) them.
+        self._lstrip = {token.content for token in added.values() if token.lstrip}
+        self._rstrip = {token.content for token in added.values() if token.rstrip}
         self._splitter = self._added_token_pattern(added.values())
         self._around = self._post_processor_ids()
         self.cut = self._around is not None and self._cutting_is_exact()
@@ -269,18 +272,14 @@ class HFTokenizer(_Tokenizer):
 
     @staticmethod
     def _added_token_pattern(added: Any) -> re.Pattern[str] | None:
-        """The added tokens as one pattern, longest first (the tokenizer matches the longest),
-        with the whitespace an ``lstrip``/``rstrip`` token swallows; group 1 is the token."""
-        alternatives = []
-        for token in sorted(added, key=lambda token: -len(token.content)):
-            if not token.content:
-                continue
-            left = r"\s*" if token.lstrip else ""
-            right = r"\s*" if token.rstrip else ""
-            alternatives.append(f"{left}({re.escape(token.content)}){right}")
-        if not alternatives:
+        """The added tokens as one alternation of literals, longest first (the tokenizer takes
+        the longest match). Plain literals let the regex engine scan for their first
+        characters: with groups or a leading ``\\s*`` a 4,000-token prompt took 3 ms."""
+        contents = sorted({token.content for token in added if token.content},
+                          key=lambda content: -len(content))
+        if not contents:
             return None
-        return re.compile("|".join(f"(?:{alternative})" for alternative in alternatives))
+        return re.compile("|".join(re.escape(content) for content in contents))
 
     def _post_processor_ids(self) -> tuple[list[int], list[int]] | None:
         """The ids the post-processor puts before and after one sequence (a BOS, an EOS), or
@@ -326,13 +325,22 @@ class HFTokenizer(_Tokenizer):
         ids = array.array("I")
         start = 0
         for match in self._splitter.finditer(text):
-            if match.start() > start:
-                piece = self._cached(text[start:match.start()])
+            if match.start() < start:
+                continue  # inside the whitespace an rstrip token swallowed
+            token = match.group()
+            piece_text = text[start:match.start()]
+            if token in self._lstrip:
+                piece_text = piece_text.rstrip()
+            if piece_text:
+                piece = self._cached(piece_text)
                 if piece is None:
                     return None
                 ids += piece
-            ids.append(self._special_ids[match.group(match.lastindex or 0)])
+            ids.append(self._special_ids[token])
             start = match.end()
+            if token in self._rstrip:
+                while start < len(text) and text[start].isspace():
+                    start += 1
         if start < len(text):
             piece = self._cached(text[start:])
             if piece is None:

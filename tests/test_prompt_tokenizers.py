@@ -255,3 +255,17 @@ def test_ids_cache_is_bounded() -> None:
     assert cache.get(99) is None
     cache.put(5, array.array("I", range(4)))  # 3 + 3 + 4 > 10: the oldest goes
     assert cache.tokens <= 10 and cache.get(4) is not None
+
+
+def test_hf_tokens_that_swallow_whitespace() -> None:
+    """An added token with lstrip/rstrip takes the whitespace around it, cut or whole."""
+    from tokenizers import AddedToken
+
+    from scheduling.chat_template import ChatTemplate
+    from tests.support.hf_tokenizer import train_tokenizer
+    trained = train_tokenizer()
+    trained.add_special_tokens([AddedToken("<tool>", lstrip=True, rstrip=True, special=True)])
+    tokenizer = HFTokenizer(trained, ChatTemplate(CHATML_TEMPLATE, {"bos_token": "<s>"}))
+    assert tokenizer.cut
+    for text in ("a  <tool>  b", "<tool> x", "x\n<tool>\n", "  <tool><tool>  y", "<tool>"):
+        assert list(tokenizer.prompt_token_ids(text, None) or ()) == trained.encode(text).ids
