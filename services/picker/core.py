@@ -15,17 +15,23 @@ picker started without flags runs.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
+from scheduling.prompt_tokenizers import TokenizerLoadError, load_pool_tokenizers
+from scheduling.token_blocks import PromptTokenizer
 from services.picker.gray_pods import GrayPods
 from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import DecisionCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
+from shared.host.errors import ConfigError
+
+log = logging.getLogger("lig.picker.core")
 
 
 class CoreHooks(msgspec.Struct, frozen=True):
@@ -36,14 +42,25 @@ class CoreHooks(msgspec.Struct, frozen=True):
     on_conflicts: Callable[[int], None] = lambda count: None
 
 
+def load_tokenizers(settings: PickerSettings) -> dict[str, PromptTokenizer]:
+    """The pools' tokenizers of ``--tokenizer``; one that cannot be loaded raises
+    :class:`ConfigError` (exit 2) naming the flag, the pool and the file."""
+    try:
+        return load_pool_tokenizers(settings.tokenizer_specs)
+    except TokenizerLoadError as error:
+        raise ConfigError(f"--tokenizer (env LIG_TOKENIZER): {error}") from None
+
+
 def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic, hooks: CoreHooks | None = None,
                   on_decision: DecisionCallback | None = None,
-                  picker_id: str = "") -> Gateway:
+                  picker_id: str = "",
+                  tokenizers: Mapping[str, PromptTokenizer] | None = None) -> Gateway:
     """The decision core over ``settings.pools`` (empty: every pool of the registry), with the
     settings' staleness, load estimate, gray-pod, fallback and unknown-model behaviour.
 
-    ``rng`` defaults to one seeded with ``settings.seed``.
+    ``rng`` defaults to one seeded with ``settings.seed``; ``tokenizers`` (pool -> tokenizer,
+    for precise prefix routing) to those of ``settings.tokenizers``.
     ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench).
     ``on_decision(pool, event)`` receives the core's own routed/finished/shed events for the
     decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
@@ -52,8 +69,14 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
     """
     hooks = hooks if hooks is not None else CoreHooks()
     rng = rng if rng is not None else random.Random(settings.seed)
+    tokenizers = tokenizers if tokenizers is not None else load_tokenizers(settings)
 
     def make_router(pool: str) -> Router:
+        tokenizer = tokenizers.get(pool)
+        if tokenizer is None:
+            # Once per pool: its router lives as long as the pool is served.
+            log.info("pool %s has no tokenizer (--tokenizer %s=...): its requests use the "
+                     "approximate prefix index, not the pods' KV-cache events", pool, pool)
         pods = PodTable(settings.stale_after, clock=clock, load_estimate=settings.load_estimate,
                         gray=GrayPods(settings.gray_after, settings.outcome_sample,
                                       on_exclude=hooks.on_gray_exclusion))
