@@ -8,6 +8,7 @@ question that differs every time, the case prefix caching is for. CPU time per r
 
 - ``encode`` (the baseline, same run): one plain call of the tokenizer on the rendered prompt
   (``tokenizers.Tokenizer.encode``; ``simulator.tokenizer.encode`` for ``builtin:lig-sim``);
+  ``encode, no offsets``: ``encode_batch_fast`` of it alone, what the picker calls on a miss;
 - ``ours``: ``prompt_token_ids`` (template, cut, cache) plus ``block_keys`` of the result (block
   size 16): everything the router pays before it looks the keys up; ``of which keys``: the
   ``block_keys`` part alone;
@@ -38,6 +39,9 @@ from scheduling.token_blocks import block_keys, root_key
 from tests.support.hf_tokenizer import write_tokenizer
 
 BLOCK_SIZE = 16
+# A tokenizer, its plain call, how a chat is rendered for it, and its offset-free call if any.
+Subject = tuple[SimTokenizer | HFTokenizer, Callable[[str], list[int]],
+                Callable[[list[Message]], str], Callable[[str], list[int]] | None]
 ROOT = root_key(None)
 
 
@@ -53,10 +57,10 @@ def cpu_us(call: Callable[..., object], *args: object) -> float:
     return (time.process_time_ns() - start) / 1000
 
 
-def run_once(name: str, tokenizer: SimTokenizer | HFTokenizer, plain: Callable[[str], object],
-             render: Callable[[list[Message]], str], tokens: int, requests: int,
+def run_once(name: str, subject: Subject, tokens: int, requests: int,
              seed: int) -> dict[str, list[float]]:
     """Per-request CPU microseconds of each case for ``requests`` requests."""
+    tokenizer, plain, render, fast = subject
     rng = random.Random(seed)
     system = words(tokens - 60, rng)
     times: dict[str, list[float]] = {case: [] for case in (
@@ -66,6 +70,8 @@ def run_once(name: str, tokenizer: SimTokenizer | HFTokenizer, plain: Callable[[
         chat = [Message("system", system), Message("user", question)]
         rendered = render(chat)
         times["encode"].append(cpu_us(plain, rendered))
+        if fast is not None:
+            times.setdefault("encode, no offsets", []).append(cpu_us(fast, rendered))
 
         def ours(messages: list[Message] = chat) -> None:
             ids = tokenizer.prompt_token_ids(None, messages)
@@ -110,17 +116,23 @@ def main() -> None:
     def hf_plain(text: str) -> list[int]:
         return hf._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def hf_fast(text: str) -> list[int]:
+        return hf._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
     def sim_render(chat: list[Message]) -> str:
         return sim.render_chat([(m.role, str(m.content)) for m in chat])
 
-    subjects = {
-        "builtin:lig-sim": (simulated, sim.encode, sim_render),
-        "tokenizer.json (byte-level BPE)": (hf, hf_plain, hf_render),
+    def sim_plain(text: str) -> list[int]:
+        return list(sim.encode(text))
+
+    subjects: dict[str, Subject] = {
+        "builtin:lig-sim": (simulated, sim_plain, sim_render, None),
+        "tokenizer.json (byte-level BPE)": (hf, hf_plain, hf_render, hf_fast),
     }
     results: dict[str, dict[str, list[float]]] = {name: {} for name in subjects}
     for run in range(args.runs):
-        for name, (tokenizer, plain, render) in subjects.items():
-            times = run_once(name, tokenizer, plain, render, args.tokens, args.requests, run)
+        for name, subject in subjects.items():
+            times = run_once(name, subject, args.tokens, args.requests, run)
             for case, values in times.items():
                 results[name].setdefault(case, []).append(statistics.median(values))
 
