@@ -89,6 +89,10 @@ class Subjects(Struct, frozen=True):
         """Where one pod's KV block-set changes are published (``lig kv-events``)."""
         return f"{self.prefix}.kvblocks.{escape_token(pool)}.{escape_token(pod)}"
 
+    def pool_kv_blocks(self, pool: str) -> str:
+        """Wildcard over every pod of a pool's KV block-set changes."""
+        return f"{self.prefix}.kvblocks.{escape_token(pool)}.>"
+
     def all_kv_blocks(self) -> str:
         """Wildcard over every pod's KV block-set changes."""
         return f"{self.prefix}.kvblocks.>"

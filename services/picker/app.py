@@ -24,6 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
+from scheduling.precise_index import PreciseIndex
 from services.picker import core
 from services.picker.decision_stream import (
     DecisionPublisher,
@@ -33,10 +34,13 @@ from services.picker.decision_stream import (
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.health import PickerHealth
 from services.picker.http2 import Http2Server
+from services.picker.kv_blocks_feed import KVBlocksSink
+from services.picker.kv_blocks_feed import subscribe as subscribe_kv_blocks
 from services.picker.metrics_feed import SnapshotSink, subscribe
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.settings import PickerSettings
+from services.picker.state import PodTable
 from services.picker.tls import TlsFiles, grpc_credentials, ssl_context
 from shared.host.errors import PortInUse
 from shared.host.lifespan import Lifespan
@@ -223,6 +227,9 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
     gateway = build_gateway(settings, metrics, decisions)
     metrics.load_estimate.tables = lambda: {
         pool: router.pods for pool, router in gateway.routers.items()}
+    metrics.precise.indexes = lambda: {
+        pool: router.precise for pool, router in gateway.routers.items()
+        if router.precise.max_blocks}
     processor = Processor(gateway, metrics, settings.destination_header)
     tls = settings.tls
     host = settings.host
@@ -240,7 +247,8 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         # an "Event loop is closed" traceback on exit.
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
-        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions)
+        nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions,
+                         kv_blocks=settings.precise_blocks > 0)
         tasks = (asyncio.create_task(nats.run(stop)),
                  asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
         # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
@@ -302,11 +310,12 @@ async def _until_stopped_or_lost(stop: asyncio.Event,
 
 
 class _NatsLink:
-    """The NATS side: connect (forever), watch the registry, subscribe to snapshots."""
+    """The NATS side: connect (forever), watch the registry, subscribe to snapshots (and,
+    with ``kv_blocks``, to the pods' KV block-set changes)."""
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
                  gateway: Gateway, metrics: PickerMetrics,
-                 decisions: DecisionPublisher | None = None) -> None:
+                 decisions: DecisionPublisher | None = None, kv_blocks: bool = False) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -320,9 +329,18 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
+        self.kv_blocks_sink = KVBlocksSink(
+            self._precise_index, on_skip=lambda reason: metrics.kv_blocks_skipped.labels(
+                reason).inc()) if kv_blocks else None
         self.decisions = decisions
         self.decision_sink = DecisionSink(
             gateway.apply_peer, on_undecodable=metrics.undecodable.labels("decisions").inc)
+
+    def _precise_index(self, pool: str) -> tuple[PreciseIndex, PodTable] | None:
+        router = self._gateway.routers.get(pool)
+        if router is None or not router.precise.max_blocks:
+            return None
+        return router.precise, router.pods
 
     @property
     def connected(self) -> bool:
@@ -356,6 +374,8 @@ class _NatsLink:
                 on_undecodable=lambda key, exc: undecodable.inc())
             pools = [] if self._gateway.all_pools else list(self._gateway.routers)
             await subscribe(client, self._subjects, self.sink, pools)
+            if self.kv_blocks_sink is not None:
+                await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools)
             publishing = None
             if self.decisions is not None:
                 await subscribe_decisions(client, self._subjects, self.decision_sink, pools)

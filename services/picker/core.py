@@ -15,7 +15,6 @@ picker started without flags runs.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -30,8 +29,6 @@ from services.picker.routing import DecisionCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
 from shared.host.errors import ConfigError
-
-log = logging.getLogger("lig.picker.core")
 
 
 class CoreHooks(msgspec.Struct, frozen=True):
@@ -72,17 +69,18 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
     tokenizers = tokenizers if tokenizers is not None else load_tokenizers(settings)
 
     def make_router(pool: str) -> Router:
-        tokenizer = tokenizers.get(pool)
-        if tokenizer is None:
-            # Once per pool: its router lives as long as the pool is served.
-            log.info("pool %s has no tokenizer (--tokenizer %s=...): its requests use the "
-                     "approximate prefix index, not the pods' KV-cache events", pool, pool)
         pods = PodTable(settings.stale_after, clock=clock, load_estimate=settings.load_estimate,
                         gray=GrayPods(settings.gray_after, settings.outcome_sample,
                                       on_exclude=hooks.on_gray_exclusion))
-        return Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
-                      fallbacks=settings.fallbacks,
-                      prefix_entries=settings.prefix_index_entries)
+        router = Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
+                        fallbacks=settings.fallbacks,
+                        prefix_entries=settings.prefix_index_entries,
+                        precise_blocks=settings.precise_blocks,
+                        speculative_ttl=settings.speculative_ttl, clock=clock)
+        # None: the router logs once, when the pool's pods publish KV events, that it uses
+        # the approximate index.
+        router.tokenizer = tokenizers.get(pool)
+        return router
 
     unknown = UnknownModels(reject=settings.reject_unknown_models,
                             default_pool=settings.default_pool)

@@ -12,9 +12,10 @@ import math
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from scheduling.precise_index import PreciseIndex
 from services.picker.responses import Usage
 from services.picker.state import Freshness, PodTable
 
@@ -106,6 +107,12 @@ class PickerMetrics:
             "within their heartbeat allowance", registry=prometheus, multiprocess_mode="livemax")
         self.load_estimate = LoadEstimateCollector()
         prometheus.register(self.load_estimate)
+        self.kv_blocks_skipped = Counter(
+            "lig_picker_kv_blocks_skipped", "KV block-change messages from NATS skipped, by "
+            "reason (undecodable, pool: not served, address: the pod is registered elsewhere)",
+            ["reason"], registry=prometheus)
+        self.precise = PreciseIndexCollector()
+        prometheus.register(self.precise)
         self._request_children: dict[tuple[str, str, str, str], Counter] = {}
         self._token_children: dict[str, tuple[Counter, Counter]] = {}
         self._pods_seen: set[str] = set()
@@ -181,3 +188,52 @@ class LoadEstimateCollector(Collector):
                 for pod, count in counts.items():
                     family.add_metric([pool, pod, kind], count)
         yield family
+
+
+class PreciseIndexCollector(Collector):
+    """The precise prefix indexes (``scheduling/precise_index.py``), read when scraped (their
+    hot paths touch no Prometheus object): per pool, ``lig_picker_precise_blocks`` held,
+    ``..._speculative_blocks``, ``..._event_pods`` (pods publishing events), and the counters
+    ``..._messages`` applied, ``..._blocks_stored``, ``..._blocks_removed``,
+    ``..._blocks_evicted`` (the bound), ``..._blocks_skipped{reason}``, ``..._clears`` (ranks
+    cleared) and ``..._resyncs``. ``indexes`` gives each served pool's index (set once the
+    gateway exists). Served by a single-process picker (``--workers 1``)."""
+
+    def __init__(self) -> None:
+        self.indexes: Callable[[], dict[str, PreciseIndex]] = dict
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """One sample per pool (and reason)."""
+        prefix = "lig_picker_precise"
+        gauges = {name: GaugeMetricFamily(f"{prefix}_{name}", text, labels=["pool"])
+                  for name, text in (
+                      ("blocks", "Blocks the precise prefix index holds"),
+                      ("speculative_blocks", "Speculative blocks the precise prefix index "
+                                             "holds"),
+                      ("event_pods", "Pods whose KV-cache events reached the precise index"))}
+        counters = {name: CounterMetricFamily(f"{prefix}_{name}", text, labels=["pool"])
+                    for name, text in (
+                        ("messages", "KV block-change messages applied"),
+                        ("blocks_stored", "Blocks filed from BlockStored events"),
+                        ("blocks_removed", "Blocks removed by BlockRemoved events"),
+                        ("blocks_evicted", "Blocks dropped to keep the index's bound"),
+                        ("clears", "Ranks cleared (AllBlocksCleared, resync markers)"),
+                        ("resyncs", "Resync markers received"))}
+        skipped = CounterMetricFamily(f"{prefix}_blocks_skipped", "Blocks of BlockStored "
+                                      "events not filed, by reason", labels=["pool", "reason"])
+        for pool, index in list(self.indexes().items()):
+            stats = index.stats
+            for name, value in (("blocks", len(index)),
+                                ("speculative_blocks", index.speculative_blocks),
+                                ("event_pods", len(index.event_pods()))):
+                gauges[name].add_metric([pool], value)
+            for name, value in (("messages", stats.messages), ("blocks_stored", stats.stored),
+                                ("blocks_removed", stats.removed),
+                                ("blocks_evicted", stats.evicted), ("clears", stats.cleared),
+                                ("resyncs", stats.resyncs)):
+                counters[name].add_metric([pool], value)
+            for reason, count in stats.skipped.items():
+                skipped.add_metric([pool, reason], count)
+        yield from gauges.values()
+        yield from counters.values()
+        yield skipped

@@ -10,12 +10,14 @@ import bisect
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 import msgspec
 
 from scheduling import PolicyConfigError, build_policy
+from scheduling.precise_index import DEFAULT_SPECULATIVE_TTL, PreciseIndex
 from scheduling.prefix_hash import prefix_hashes
 from scheduling.prefix_index import PrefixIndex
 from scheduling.prompt import (
@@ -25,6 +27,7 @@ from scheduling.prompt import (
     chat_prompt,
     completion_prompt,
 )
+from scheduling.token_blocks import PromptTokenizer, block_keys, root_key
 from scheduling.types import Decision, PodView, Policy, SchedulingRequest
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
@@ -191,6 +194,8 @@ DecisionCallback = Callable[[str, DecisionEvent], None]
 
 
 DEFAULT_PREFIX_ENTRIES = 65_536  # ~200 bytes each (bench/bench_prefix.py): ~13 MiB a pool
+DEFAULT_PRECISE_BLOCKS = 500_000  # ~165 bytes each (bench/bench_precise_index.py): ~80 MB a pool
+MAX_PRECISE_KEYS = 2048  # token blocks of a prompt looked up (32,768 tokens of 16), bounding cost
 
 
 class Router:
@@ -199,17 +204,30 @@ class Router:
     ``prefixes`` is the pool's approximate prefix index (``scheduling/prefix_index.py``) of at
     most ``prefix_entries`` block hashes: every routed prompt is recorded for its pod, and every
     request's prefix matches are handed to the policy (``SchedulingRequest.prefix_hits``).
+    ``precise`` is the pool's precise index (``scheduling/precise_index.py``, at most
+    ``precise_blocks`` blocks, 0: off), fed with the pods' KV-cache events; it is used when the
+    pool has a ``tokenizer`` and some pods publish events (see :meth:`_request`).
     ``on_decision`` hears of every request this router sheds (routed and finished requests are
     reported by the :class:`~services.picker.pools.Gateway`, which sees them start and end).
+    ``clock`` times speculative blocks (virtual time in the benchmark).
     """
 
     def __init__(self, pool: str, pods: PodTable, rng: random.Random,
                  on_all_stale: Callable[[], None] = lambda: None, fallbacks: int = 0,
-                 prefix_entries: int = DEFAULT_PREFIX_ENTRIES) -> None:
+                 prefix_entries: int = DEFAULT_PREFIX_ENTRIES,
+                 precise_blocks: int = DEFAULT_PRECISE_BLOCKS,
+                 speculative_ttl: float = DEFAULT_SPECULATIVE_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool_name = pool
         self.fallbacks = fallbacks
         self.pods = pods
         self.prefixes = PrefixIndex(prefix_entries)
+        self.precise = PreciseIndex(precise_blocks, speculative_ttl, clock=clock)
+        self.tokenizer: PromptTokenizer | None = None
+        """The pool's tokenizer (set by whoever configures tokenizers; None: approximate)."""
+        self._clock = clock
+        self._without_tokenizer_logged = False
+        self._tokenizer_errors = RateLimitedLog(log)
         self._rng = rng
         self._pool: InferencePool | None = None
         self._models: dict[str, ModelRoute] = {}
@@ -252,6 +270,7 @@ class Router:
             self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
             for gone in before.difference(endpoint.name for endpoint in self.pods.endpoints):
                 self.prefixes.forget(gone)
+                self.precise.forget(gone)
 
     def _take_pool(self, pool: InferencePool | None) -> None:
         self._pool = pool
@@ -318,15 +337,16 @@ class Router:
         if objective is not None:
             criticality = self._objective_criticality(objective, criticality)
         registered = route is not None
-        request = self._request(body, requested, target, criticality, fields)
+        request, hashes, keys = self._request(body, requested, target, criticality, fields)
         choice = self._choose(request, subset)
         if isinstance(choice, Rejected):
             return Rejected(choice.status, choice.outcome, choice.body, requested, target,
                             registered, pool)
         pick, fallbacks = choice
-        hashes = request.prefix_hashes
         if hashes:
             self.prefixes.record(pick.name, hashes)
+        if keys and self.precise.has_events(pick.name):
+            self.precise.speculate(pick.name, keys, self._clock())
         new_body: bytes | None = None
         if target != requested:
             rewritten = rewrite_model(body, target)
@@ -339,17 +359,68 @@ class Router:
                       criticality=criticality, request_id=self._next_id())
 
     def _request(self, body: bytes, requested: str, target: str, criticality: Criticality,
-                 fields: RequestFields | None) -> SchedulingRequest:
-        """The request as the policy sees it: prompt estimate, prefix hashes and their matches
-        in this pool's index."""
+                 fields: RequestFields | None
+                 ) -> tuple[SchedulingRequest, tuple[int, ...], list[int]]:
+        """The request as the policy sees it (prompt estimate, prefix blocks and their matches),
+        with the prompt's approximate hashes and its token-block keys (empty when not used).
+
+        Precise scoring applies when the pool has a tokenizer that can tokenize this prompt and
+        some pods publish KV events: the request's blocks are then token blocks, the hits of the
+        pods with events come from the precise index, and those of the other pods from the
+        approximate index, rescaled to token blocks (a fraction of the prompt either way, which
+        is what the prefix scorer compares)."""
         if fields is None:
             read = read_request(body)
             fields = read if isinstance(read, RequestFields) else RequestFields()
         digest = fields.digest()
         hashes = prefix_hashes(digest.data, target) if digest.data else ()
         hits = self.prefixes.match(hashes) if hashes else _NO_HITS
+        keys = self._token_keys(fields, target)
+        if not keys:
+            return SchedulingRequest(requested, target, criticality, digest.tokens,
+                                     fields.completion_limit(), hashes, hits), hashes, keys
+        precise = self.precise
+        publishing = precise.event_pods()
+        merged = {pod: depth for pod, depth in precise.match(keys).items() if pod in publishing}
+        if hits:
+            scale = len(keys) / len(hashes)
+            for pod, depth in hits.items():
+                if pod not in publishing:
+                    merged[pod] = min(len(keys), int(depth * scale))
         return SchedulingRequest(requested, target, criticality, digest.tokens,
-                                 fields.completion_limit(), hashes, hits)
+                                 fields.completion_limit(), tuple(keys), merged), hashes, keys
+
+    def _token_keys(self, fields: RequestFields, target: str) -> list[int]:
+        """The keys of the prompt's token blocks, or [] when precise scoring does not apply.
+
+        The chain's root is the adapter's when ``target`` is an adapter the pods' events named
+        (an adapter not seen in any event yet has no cached block to find), else the base
+        model's."""
+        precise = self.precise
+        if not precise.event_pods() or not precise.max_blocks:
+            return []
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            if not self._without_tokenizer_logged:
+                self._without_tokenizer_logged = True
+                log.info("pool %s: pods publish KV events but the pool has no tokenizer; prefix "
+                         "scoring uses the approximate index", self.pool_name)
+            return []
+        block_size = precise.block_size
+        if block_size is None:
+            return []
+        try:
+            ids = tokenizer.prompt_token_ids(fields.prompt, fields.messages)
+            if not ids:
+                return []
+            return block_keys(ids, block_size,
+                              root_key(target if target in precise.lora_names else None),
+                              MAX_PRECISE_KEYS)
+        except Exception as exc:  # a tokenizer's failure must not fail the request
+            self._tokenizer_errors.warning(
+                "pool %s: the tokenizer failed (%s: %s); approximate prefix index for this "
+                "request", self.pool_name, type(exc).__name__, exc)
+            return []
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Rejected:
         """Route a request without a body (e.g. ``GET /v1/models``) to any ready pod (of the

@@ -6,10 +6,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from scheduling.precise_index import DEFAULT_SPECULATIVE_TTL
 from scheduling.prompt_tokenizers import parse_pool_specs
 from services.picker.decision_stream import DEFAULT_DELAY
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
-from services.picker.routing import DEFAULT_PREFIX_ENTRIES
+from services.picker.routing import DEFAULT_PRECISE_BLOCKS, DEFAULT_PREFIX_ENTRIES
 from services.picker.tls import TlsFiles
 from shared import ports
 from shared.host.settings import option
@@ -84,7 +85,19 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "each (bench/bench_prefix.py). The prefix_affinity scorer of the prefix-aware policy "
         "reads it; 0 turns the index off. The default tracks about 16M prompt tokens, more than "
         "the KV caches of a typical pool hold", metavar="N", ge=0)] = DEFAULT_PREFIX_ENTRIES
-    # Precise prefix routing (issue 16, docs/kv-events.md "Tokenizers").
+    # Precise prefix routing from the pods' KV-cache events (issue 16, docs/kv-events.md).
+    precise_blocks: Annotated[int, option(
+        "per pool, the most KV-cache blocks the precise prefix index keeps from the pods' "
+        "KV-cache events (<prefix>.kvblocks.<pool>.>, published by lig kv-events), the oldest "
+        "blocks of the pod holding the most dropped first; about 165 bytes each "
+        "(bench/bench_precise_index.py). Used for pools with a tokenizer, for the pods that "
+        "publish events; 0 turns it off (and the subscription)", metavar="N", ge=0)] \
+        = DEFAULT_PRECISE_BLOCKS
+    speculative_ttl: Annotated[float, option(
+        "seconds a routed request's blocks count as cached on its pod in the precise index "
+        "before the pod's events confirm them (they count up to 1.5 times that), so that a burst "
+        "of one prefix does not miss meanwhile; 0 disables", metavar="SECONDS", ge=0)] \
+        = DEFAULT_SPECULATIVE_TTL
     tokenizers: Annotated[list[str], option(
         "POOL=SPEC: the tokenizer of a pool's model, so that the precise prefix index (fed by "
         "the pods' KV-cache events) can look requests up by their token ids; repeat for several "

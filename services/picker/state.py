@@ -101,6 +101,11 @@ class PodTable:
             return not member_only
         return snapshot.address == endpoint.hostport
 
+    def registered_address(self, pod: str) -> str | None:
+        """The ``ip:port`` the registry lists ``pod`` at (None: not a member)."""
+        endpoint = self._endpoints.get(pod)
+        return endpoint.hostport if endpoint is not None else None
+
     def apply(self, snapshot: PodMetrics) -> bool:
         """Keep ``snapshot`` if it is newer than what we have; False when dropped as older.
 

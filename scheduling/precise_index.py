@@ -1,0 +1,418 @@
+"""The precise prefix index: which pods hold which token-id blocks, from their KV-cache events.
+
+``lig kv-events`` republishes every pod's vLLM KV-cache events on NATS as
+:class:`~shared.kv_blocks.KVBlockChanges`; :meth:`PreciseIndex.apply` takes them one message at a
+time. vLLM's own block hashes are salted per engine and cannot be recomputed from a prompt, so
+each stored block is filed under the key of its token ids (:mod:`scheduling.token_blocks`): the
+key of a ``BlockStored``'s first block is chained from the key of its ``parent_block_hash``
+(looked up in the pod's engine-hash -> key map), or from :func:`~scheduling.token_blocks.root_key`
+of its ``lora_name`` when it has no parent. A prompt's keys, computed the same way from the pool's
+tokenizer, are then looked up by :meth:`PreciseIndex.match`.
+
+What is kept, per pod:
+
+- per data-parallel rank, ``engine hash -> key`` (what ``BlockRemoved`` and the parents of later
+  ``BlockStored`` events name) and the hashes in store order (for eviction). A rank is a cache of
+  its own: ``AllBlocksCleared`` and resync markers clear the rank whose stream they came from;
+- the keys any of its ranks holds. A pod holds a block when one of its ranks does: vLLM's
+  front end spreads a pod's requests over its ranks by load, not by prefix, so a match is the
+  best case of the pod's ranks (documented in docs/kv-events.md);
+- speculative keys with their expiry: :meth:`PreciseIndex.speculate` counts a routed request's
+  blocks as cached on the chosen pod at once, until ``speculative_ttl`` seconds later, so that a
+  burst of one prefix does not miss while the pod's events are on their way.
+
+Skipped, counted by reason in :attr:`PreciseIndex.stats`: blocks whose parent is unknown to the
+rank's map (``parent``: a prompt lookup, which starts at the root, could never reach them),
+blocks stored without token ids (``no_tokens``) or with ids that are no 32-bit token ids
+(``token_ids``), blocks of a size outside 1..4,096 tokens (``block_size``), and blocks of another
+medium than the GPU cache (``medium``: vLLM's CPU offloading announces the same hashes again for
+its own tier).
+
+Hard memory bound: at most ``max_blocks`` (rank, engine hash) entries; beyond it the oldest
+stored blocks of the rank holding the most are evicted (the engine's own eviction, announced by
+``BlockRemoved``, normally keeps the index well under it). Speculative entries are bounded apart,
+by ``max_speculative`` (the oldest speculation dropped first). ``bench/bench_precise_index.py``
+reports the bytes per block and the process's RSS at the bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from itertools import islice, takewhile
+
+from scheduling.token_blocks import block_keys, root_key
+from shared.kv_blocks import KVBlockChanges
+from shared.kv_events import BlockRemoved, BlockStored
+
+DEFAULT_SPECULATIVE_TTL = 3.0
+"""Seconds a routed request's blocks count as cached on its pod before events confirm them: a
+long prompt's prefill, behind a queue, takes about that long to show up as ``BlockStored``."""
+
+# Engine hashes are filed as 60-bit ints: CPython stores those in 32 bytes, full 64-bit ones in
+# 48 (bench/bench_precise_index.py); a collision within one rank's cache stays negligible.
+_HASH_MASK = (1 << 60) - 1
+_GPU = frozenset({None, "GPU", "gpu"})
+_MAX_BLOCK_SIZE = 4096  # tokens (what lig kv-events accepts; NATS input is checked again)
+_MAX_LORA_NAMES = 4096  # adapters remembered from events (a bound on what events can grow)
+
+
+class PreciseStats:
+    """What :meth:`PreciseIndex.apply` did, counted (read by the picker's metrics collector)."""
+
+    __slots__ = ("cleared", "evicted", "messages", "removed", "removed_unknown", "resyncs",
+                 "skipped", "stored")
+
+    def __init__(self) -> None:
+        self.messages = 0  # KVBlockChanges applied
+        self.stored = 0  # blocks filed
+        self.removed = 0  # blocks removed by BlockRemoved
+        self.removed_unknown = 0  # BlockRemoved hashes the index did not hold (skipped blocks)
+        self.cleared = 0  # ranks cleared (AllBlocksCleared, resync markers)
+        self.resyncs = 0  # resync markers received
+        self.evicted = 0  # blocks dropped to keep the bound
+        self.skipped: Counter[str] = Counter()  # blocks not filed, by reason
+
+
+class _Rank:
+    """One data-parallel rank's cache: engine hash -> key, and the hashes in store order from
+    ``head`` on (it may still list hashes removed since: they are skipped when met)."""
+
+    __slots__ = ("blocks", "head", "order")
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int] = {}
+        self.order: list[int] = []
+        self.head = 0
+
+    def tidy(self) -> None:
+        """Skip removed hashes at the front; compact the order once it is mostly dead."""
+        order, blocks, head = self.order, self.blocks, self.head
+        end = len(order)
+        while head < end and order[head] not in blocks:
+            head += 1
+        self.head = head
+        if end - head > 2 * len(blocks) + 64:
+            self.order = [engine_hash for engine_hash in order[head:] if engine_hash in blocks]
+            self.head = 0
+        elif head > 1024 and head * 2 > end:
+            del order[:head]
+            self.head = 0
+
+
+class _Pod:
+    """One pod: its ranks, the keys they hold, and the keys speculated on it."""
+
+    __slots__ = ("events", "extra", "keys", "name", "ranks", "speculative")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.events = False  # some KVBlockChanges of this pod arrived
+        self.ranks: dict[int, _Rank] = {}
+        self.keys: set[int] = set()
+        # Holdings of a key beyond the first (another rank, or another engine hash of the same
+        # tokens): the key stays in ``keys`` until the last one goes. Usually empty.
+        self.extra: dict[int, int] = {}
+        # Speculated keys by generation (newest last): (generation number, keys).
+        self.speculative: list[tuple[int, set[int]]] = []
+
+    def hold(self, keys: list[int]) -> None:
+        """One more holding of each of ``keys``."""
+        held = self.keys
+        if not self.extra and held.isdisjoint(keys):
+            held.update(keys)
+            return
+        extra = self.extra
+        for key in keys:
+            if key in held:
+                extra[key] = extra.get(key, 0) + 1
+            else:
+                held.add(key)
+
+    def release(self, keys: list[int]) -> None:
+        """One holding of each of ``keys`` went."""
+        extra = self.extra
+        if not extra:
+            self.keys.difference_update(keys)
+            return
+        held = self.keys
+        for key in keys:
+            count = extra.get(key)
+            if count is None:
+                held.discard(key)
+            elif count > 1:
+                extra[key] = count - 1
+            else:
+                del extra[key]
+
+
+class PreciseIndex:
+    """Token-block keys -> pods, from the pods' KV-cache events; one per pool.
+
+    ``max_blocks``: the hard bound on blocks kept (0 keeps none). ``speculative_ttl``: seconds a
+    speculated block counts at least (at most 1.5 times that; 0: no speculation).
+    ``max_speculative``: the bound on speculative entries (default ``max_blocks // 4``).
+    ``clock``: the time :meth:`match` judges expiry on when not given one (the benchmark's
+    virtual clock).
+    """
+
+    def __init__(self, max_blocks: int, speculative_ttl: float = DEFAULT_SPECULATIVE_TTL, *,
+                 max_speculative: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_blocks < 0:
+            raise ValueError(f"max_blocks must be >= 0, not {max_blocks}")
+        if speculative_ttl < 0:
+            raise ValueError(f"speculative_ttl must be >= 0, not {speculative_ttl}")
+        self.max_blocks = max_blocks
+        self.speculative_ttl = speculative_ttl
+        self.max_speculative = max_blocks // 4 if max_speculative is None else max_speculative
+        # Speculation is kept in generations of half the ttl; a generation counts while it is
+        # one of the newest three, so a key counts from ttl to 1.5 x ttl after it was speculated
+        # (dropping a generation is one step, not one per key).
+        self._generation = speculative_ttl / 2
+        self._clock = clock
+        self._pods: dict[str, _Pod] = {}
+        self._publishing: set[str] = set()  # pods some changes arrived from
+        self._live = 0  # (rank, engine hash) entries held
+        self._speculated = 0  # speculative entries held
+        self._roots: dict[str | None, int] = {None: root_key(None)}
+        self.block_size: int | None = None
+        """The block size of the newest ``BlockStored`` applied (a pool runs one)."""
+        self.lora_names: set[str] = set()
+        """Adapters some ``BlockStored`` was filed under (at most 4,096 remembered)."""
+        self.stats = PreciseStats()
+
+    def __len__(self) -> int:
+        """Blocks held (rank, engine hash entries; speculation not counted)."""
+        return self._live
+
+    @property
+    def speculative_blocks(self) -> int:
+        """Speculative entries held (expired ones included until dropped)."""
+        return self._speculated
+
+    def has_events(self, pod: str) -> bool:
+        """Whether ``pod`` publishes KV events (some of its changes were applied)."""
+        return pod in self._publishing
+
+    def event_pods(self) -> set[str]:
+        """The pods that publish KV events (the index's own set: do not change it)."""
+        return self._publishing
+
+    # --- events ----------------------------------------------------------------------------
+
+    def apply(self, changes: KVBlockChanges) -> None:
+        """Apply one message of ``lig kv-events``: the events of one batch of one pod's rank."""
+        pod = self._pods.get(changes.pod)
+        if pod is None:
+            pod = self._pods[changes.pod] = _Pod(changes.pod)
+        if not pod.events:
+            pod.events = True
+            self._publishing.add(changes.pod)
+        rank = pod.ranks.get(changes.dp_rank)
+        if rank is None:
+            rank = pod.ranks[changes.dp_rank] = _Rank()
+        stats = self.stats
+        stats.messages += 1
+        if changes.resync:
+            stats.resyncs += 1
+        for op in changes.ops:
+            kind = type(op)
+            if kind is BlockStored:
+                self._store(pod, rank, op)  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
+                self._remove(pod, rank, op)  # type: ignore[arg-type]
+            else:  # AllBlocksCleared
+                rank = self._clear(pod, changes.dp_rank)
+        if self._live > self.max_blocks:
+            self._evict()
+
+    def _store(self, pod: _Pod, rank: _Rank, op: BlockStored) -> None:
+        hashes = op.block_hashes
+        skipped = self.stats.skipped
+        if op.medium not in _GPU:
+            skipped["medium"] += len(hashes)
+            return
+        if not 0 < op.block_size <= _MAX_BLOCK_SIZE:
+            skipped["block_size"] += len(hashes)
+            return
+        blocks = rank.blocks
+        parent = op.parent_block_hash
+        if parent is None:
+            seed = self._root(op.lora_name)
+        else:
+            found = blocks.get(parent & _HASH_MASK)
+            if found is None:
+                skipped["parent"] += len(hashes)
+                return
+            seed = found
+        if not op.token_ids:
+            skipped["no_tokens"] += len(hashes)
+            return
+        try:
+            keys = block_keys(op.token_ids, op.block_size, seed, len(hashes))
+        except OverflowError:  # a token id beyond 32 bits: no tokenizer gives those
+            skipped["token_ids"] += len(hashes)
+            return
+        if len(keys) < len(hashes):  # fewer token ids than full blocks: the rest is unknown
+            skipped["token_ids"] += len(hashes) - len(keys)
+        self.block_size = op.block_size
+        masked = [engine_hash & _HASH_MASK for engine_hash in hashes[:len(keys)]]
+        if blocks.keys().isdisjoint(masked):  # the usual case: all new
+            blocks.update(zip(masked, keys, strict=True))
+            rank.order += masked
+            pod.hold(keys)
+            self._live += len(keys)
+        else:
+            for engine_hash, key in zip(masked, keys, strict=True):
+                old = blocks.get(engine_hash)
+                if old == key:
+                    continue  # announced twice
+                if old is not None:
+                    pod.release([old])
+                    self._live -= 1
+                blocks[engine_hash] = key
+                rank.order.append(engine_hash)
+                pod.hold([key])
+                self._live += 1
+        self.stats.stored += len(keys)
+        rank.tidy()
+
+    def _root(self, lora_name: str | None) -> int:
+        root = self._roots.get(lora_name)
+        if root is None:
+            root = root_key(lora_name)
+            if len(self._roots) <= _MAX_LORA_NAMES:
+                self._roots[lora_name] = root
+            if lora_name and len(self.lora_names) < _MAX_LORA_NAMES:
+                self.lora_names.add(lora_name)
+        return root
+
+    def _remove(self, pod: _Pod, rank: _Rank, op: BlockRemoved) -> None:
+        if op.medium not in _GPU:
+            return
+        pop = rank.blocks.pop
+        keys = [key for engine_hash in op.block_hashes
+                if (key := pop(engine_hash & _HASH_MASK, None)) is not None]
+        pod.release(keys)
+        self._live -= len(keys)
+        self.stats.removed += len(keys)
+        self.stats.removed_unknown += len(op.block_hashes) - len(keys)
+
+    def _clear(self, pod: _Pod, dp_rank: int) -> _Rank:
+        """Empty one rank of ``pod``; returns its new (empty) state."""
+        old = pod.ranks.get(dp_rank)
+        if old is not None:
+            pod.release(list(old.blocks.values()))
+            self._live -= len(old.blocks)
+        self.stats.cleared += 1
+        rank = pod.ranks[dp_rank] = _Rank()
+        return rank
+
+    def _evict(self) -> None:
+        """Drop blocks until the bound holds: the oldest stored of the rank holding the most."""
+        ranks = [(pod, rank) for pod in self._pods.values() for rank in pod.ranks.values()]
+        while self._live > self.max_blocks:
+            pod, rank = max(ranks, key=lambda entry: len(entry[1].blocks))
+            excess = self._live - self.max_blocks
+            order, head = rank.order, rank.head
+            pop = rank.blocks.pop
+            keys: list[int] = []
+            while len(keys) < excess and head < len(order):
+                # Removed hashes among them give None: take more until enough went.
+                victims = order[head:head + excess - len(keys)]
+                head += len(victims)
+                keys += [key for engine_hash in victims
+                         if (key := pop(engine_hash, None)) is not None]
+            rank.head = head
+            if not keys:  # cannot happen: every live hash is in its rank's order
+                raise AssertionError("precise index: the largest rank has no block to evict")
+            pod.release(keys)
+            rank.tidy()
+            self._live -= len(keys)
+            self.stats.evicted += len(keys)
+
+    # --- lookups ---------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[int], now: float | None = None) -> Mapping[str, int]:
+        """Per pod, how many leading blocks of ``keys`` it holds (really, or speculatively and
+        not expired at ``now``, the clock's time by default); pods with none absent."""
+        if not keys or not self._pods:
+            return {}
+        first = keys[0]
+        hits: dict[str, int] = {}
+        oldest: int | None = None  # the oldest speculative generation still counting
+        for pod in self._pods.values():
+            held = pod.keys
+            if pod.speculative:
+                if oldest is None:
+                    oldest = self._oldest_generation(self._clock() if now is None else now)
+                sets = [held, *(speculated for generation, speculated in pod.speculative
+                                if generation >= oldest)]
+                depth = _leading_run(sets, keys)
+                if depth:
+                    hits[pod.name] = depth
+            elif first in held:
+                hits[pod.name] = len(list(takewhile(held.__contains__, keys)))
+        return hits
+
+    # --- speculation -----------------------------------------------------------------------
+
+    def _oldest_generation(self, now: float) -> int:
+        return int(now // self._generation) - 2 if self._generation > 0 else 0
+
+    def speculate(self, pod: str, keys: Sequence[int], now: float) -> None:
+        """``pod`` was just sent a prompt with these keys: count them as cached there for
+        ``speculative_ttl`` (to 1.5 x that) from ``now``, whatever its events say meanwhile."""
+        if self.speculative_ttl <= 0 or self.max_speculative <= 0:
+            return
+        entry = self._pods.get(pod)
+        if entry is None:
+            entry = self._pods[pod] = _Pod(pod)
+        oldest = self._oldest_generation(now)
+        generations = entry.speculative
+        while generations and generations[0][0] < oldest:
+            self._speculated -= len(generations.pop(0)[1])
+        if not keys:
+            return
+        current = oldest + 2
+        if not generations or generations[-1][0] != current:
+            generations.append((current, set()))
+        newest = generations[-1][1]
+        before = len(newest)
+        newest.update(keys[:self.max_speculative])
+        self._speculated += len(newest) - before
+        while self._speculated > self.max_speculative:
+            self._drop_oldest_speculation()
+
+    def _drop_oldest_speculation(self) -> None:
+        """Over the bound: drop the oldest generation any pod has."""
+        pod = min((entry for entry in self._pods.values() if entry.speculative),
+                  key=lambda entry: entry.speculative[0][0])
+        self._speculated -= len(pod.speculative.pop(0)[1])
+
+    # --- membership ------------------------------------------------------------------------
+
+    def forget(self, pod: str) -> None:
+        """``pod`` left the pool: drop everything known of it."""
+        entry = self._pods.pop(pod, None)
+        if entry is None:
+            return
+        self._publishing.discard(pod)
+        self._live -= sum(len(rank.blocks) for rank in entry.ranks.values())
+        self._speculated -= sum(len(keys) for _, keys in entry.speculative)
+
+
+def _leading_run(sets: list[set[int]], keys: Sequence[int]) -> int:
+    """How many leading ``keys`` are each in one of ``sets`` (runs scanned in C, set by set)."""
+    depth = 0
+    total = len(keys)
+    stalled = 0  # sets tried in a row without progress
+    index = 0
+    while depth < total and stalled < len(sets):
+        found = len(list(takewhile(sets[index].__contains__, islice(keys, depth, None))))
+        depth += found
+        stalled = 0 if found else stalled + 1
+        index = (index + 1) % len(sets)
+    return depth

@@ -1,0 +1,180 @@
+"""The precise prefix index end to end: ``lig sim`` pods publishing KV-cache events on ZMQ,
+``lig kv-events`` republishing them on a real nats-server, and the picker's side reading them.
+
+The first test runs the picker's own feed and router in this process with the simulator's
+tokenizer (``builtin:lig-sim``, ``scheduling/prompt_tokenizers.py``); the second runs
+``lig picker`` itself and checks through its metrics that its index holds exactly the blocks
+the pods announced. ``tests/test_precise_routing_e2e.py`` routes through Envoy with
+``lig picker --tokenizer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from scheduling.precise_index import PreciseIndex
+from scheduling.prompt_tokenizers import SimTokenizer
+from scheduling.token_blocks import block_keys, root_key
+from services.picker.kv_blocks_feed import KVBlocksSink, subscribe
+from services.picker.routing import Routed, Router
+from services.picker.state import PodTable
+from shared import kv_blocks
+from shared.registry_view import RegistryView
+from shared.schemas import EndpointSet, InferencePool, PodMetrics, PolicyConfig
+from shared.subjects import Subjects
+from simulator import tokenizer
+from tests.support.collector import pod
+from tests.support.picker import PickerProcess
+from tests.support.waiting import eventually
+from tests.test_kv_events_e2e import EventPods, kv_events_process, output, register
+
+SUBJECTS = Subjects()
+POOL = "pool-a"
+SHARED = "You are the fleet's assistant and answer in one word. " * 40
+OTHER = "Translate every sentence into French, then count its words. " * 40
+
+
+def keys_of(prompt: str) -> list[int]:
+    return block_keys(tokenizer.encode(prompt), 16, root_key(None))
+
+
+def full_blocks(prompt: str) -> int:
+    return len(tokenizer.encode(prompt)) // 16
+
+
+def pool_router(pods: EventPods) -> Router:
+    """A prefix-aware router over the simulated pods, fresh snapshots for both."""
+    router = Router(POOL, PodTable(stale_after=3600.0), random.Random(1))
+    view = RegistryView()
+    view.pools[POOL] = InferencePool(name=POOL, target_port=pods.ports[0],
+                                     policy=PolicyConfig("prefix-aware"))
+    endpoints = tuple(pod(f"pod-{i}", port) for i, port in enumerate(pods.ports))
+    view.endpoints[POOL] = EndpointSet(pool=POOL, endpoints=endpoints)
+    view.models[POOL] = {}
+    router.update(view)
+    for seq, endpoint in enumerate(endpoints, start=1):
+        router.pods.apply(PodMetrics(pool=POOL, pod=endpoint.name, address=endpoint.hostport,
+                                     seq=seq, scrape_time_ns=seq, scrape_duration_s=0.0,
+                                     ok=True))
+    router.tokenizer = SimTokenizer()
+    return router
+
+
+def pick(router: Router, prompt: str) -> str:
+    result = router.route(msgspec.json.encode({"model": "m", "prompt": prompt,
+                                               "max_tokens": 5}))
+    assert isinstance(result, Routed), result
+    router.pods.finished(result.pod)  # never started: keeps the pods equally idle
+    return result.pod
+
+
+async def test_requests_go_to_the_pod_whose_events_show_their_prefix(
+    nc: Client, nats_server: Any
+) -> None:
+    with EventPods(2, "map") as pods:
+        await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
+        router = pool_router(pods)
+        skipped: list[str] = []
+        sink = KVBlocksSink(lambda pool: (router.precise, router.pods) if pool == POOL else None,
+                            on_skip=skipped.append)
+        await subscribe(nc, SUBJECTS, sink, [POOL])
+        await nc.flush()
+        with kv_events_process(nats_server.url, pods) as (_, _, log):
+            await asyncio.sleep(1.0)  # its subscriptions are up before the requests
+            # Warm the caches directly (bypassing any picker): the picker learns it only
+            # from the pods' events.
+            await asyncio.to_thread(pods.complete, 0, SHARED + "first question")
+            await asyncio.to_thread(pods.complete, 1, OTHER + "first sentence")
+            shared, other = keys_of(SHARED), keys_of(OTHER)
+
+            def learnt() -> bool:
+                return (router.precise.match(shared).get("pod-0", 0) >= len(shared)
+                        and router.precise.match(other).get("pod-1", 0) >= len(other))
+
+            await eventually(learnt, within=20,
+                             what=f"the pods' blocks in the index\n{output(log)}")
+            assert router.precise.event_pods() == {"pod-0", "pod-1"}
+            assert "pod-1" not in router.precise.match(shared)
+            assert not skipped
+            assert router.precise.stats.skipped["parent"] == 0
+            for question in range(4):
+                assert pick(router, SHARED + f"question {question}") == "pod-0"
+                assert pick(router, OTHER + f"sentence {question}") == "pod-1"
+            # A restarted engine: lig kv-events clears it, and so does the index.
+            await asyncio.to_thread(pods.restart)
+            await eventually(lambda: not router.precise.match(shared), within=20,
+                             what=f"the restarted pods' blocks dropped\n{output(log)}")
+            assert len(router.precise) == 0
+
+
+def metric(picker: PickerProcess, name: str) -> float | None:
+    """The sample ``name`` (with its labels) of the picker's metrics page, None if absent (or
+    the page does not answer yet)."""
+    try:
+        page = picker.metrics()
+    except OSError:
+        return None
+    for line in page.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+UNDECODABLE = 'lig_picker_kv_blocks_skipped_total{reason="undecodable"}'
+
+
+async def garbage_counted(nc: Client, picker: PickerProcess, count: float) -> None:
+    """Publish garbage on the pool's subject until the picker has counted ``count`` such
+    messages (the first call also shows its subscription is up)."""
+    for _ in range(200):  # bounded: 20 s at most
+        await nc.publish(SUBJECTS.kv_blocks(POOL, "pod-0"), b"\xc1 not msgpack")
+        await nc.flush()
+        await asyncio.sleep(0.1)
+        if (metric(picker, UNDECODABLE) or 0.0) >= count:
+            return
+    raise AssertionError(f"the picker did not count garbage messages\n{picker.log()}")
+
+
+async def test_lig_pickers_index_holds_the_blocks_the_pods_announced(
+    nc: Client, nats_server: Any, picker_process: Callable[..., PickerProcess]
+) -> None:
+    # The same messages applied to an index of this test's own: what the picker should hold.
+    expected = PreciseIndex(100_000)
+
+    async def on_message(message: Msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            expected.apply(kv_blocks.decode(message.data))
+
+    await nc.subscribe(SUBJECTS.all_kv_blocks(), cb=on_message)
+    with EventPods(2, "array") as pods:
+        await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
+        picker = picker_process(POOL, nats_server.url,
+                                extra_args=("--precise-blocks", "100000"))
+        await garbage_counted(nc, picker, 1.0)  # subscribed: bad payloads counted, not fatal
+        with kv_events_process(nats_server.url, pods) as (_, _, log):
+            for index in range(6):
+                await asyncio.to_thread(pods.complete, index % 2,
+                                        (SHARED if index % 2 else OTHER) + f"number {index}")
+            await eventually(lambda: len(expected.event_pods()) == 2, within=20,
+                             what=f"block changes\n{output(log)}")
+
+            def agrees() -> bool:
+                return (metric(picker, f'lig_picker_precise_blocks{{pool="{POOL}"}}')
+                        == len(expected) > 0
+                        and metric(picker, f'lig_picker_precise_event_pods{{pool="{POOL}"}}')
+                        == 2.0)
+
+            await eventually(agrees, within=20, what=f"the picker's index\n{picker.log()}")
+            stored = metric(picker, f'lig_picker_precise_blocks_stored_total{{pool="{POOL}"}}')
+            assert stored == expected.stats.stored > 0
+            before = metric(picker, UNDECODABLE) or 0.0
+            await garbage_counted(nc, picker, before + 1)
+            assert picker.process is not None and picker.process.poll() is None

@@ -1,0 +1,253 @@
+"""The precise prefix index (scheduling/precise_index.py): pure logic, no network."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduling.precise_index import PreciseIndex
+from scheduling.token_blocks import block_keys, root_key
+from shared.kv_blocks import KVBlockChanges, decode, encode
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 4  # tokens per block
+ROOT = root_key(None)
+
+
+def tokens(count: int, start: int = 0) -> tuple[int, ...]:
+    """``count`` token ids, distinct for distinct ``start``s far enough apart."""
+    return tuple(range(start, start + count))
+
+
+def stored(hashes: tuple[int, ...], parent: int | None, ids: tuple[int, ...],
+           lora: str | None = None, medium: str | None = "GPU") -> BlockStored:
+    return BlockStored(hashes, parent, ids, BS, lora, medium)
+
+
+def changes(pod: str, *ops: object, rank: int = 0, resync: bool = False) -> KVBlockChanges:
+    return KVBlockChanges("pool", pod, "10.0.0.1:8000", 0, 0.0, list(ops),  # type: ignore[arg-type]
+                          dp_rank=rank, resync=resync)
+
+
+def keys_of(ids: tuple[int, ...], lora: str | None = None) -> list[int]:
+    return block_keys(ids, BS, root_key(lora))
+
+
+PROMPT = tokens(5 * BS)  # five blocks
+KEYS = keys_of(PROMPT)
+
+
+def test_stored_blocks_match_the_prompts_keys() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12, 13), None, PROMPT[:3 * BS])))
+    assert index.match(KEYS) == {"a": 3}
+    assert len(index) == 3
+    assert index.has_events("a") and not index.has_events("b")
+    assert index.block_size == BS
+
+
+def test_a_child_event_is_chained_on_its_parents_key() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    # vLLM's hashes are the engine's own: the key comes from the parent's key and the tokens.
+    index.apply(changes("a", stored((77, 78, 79), 12, PROMPT[2 * BS:])))
+    assert index.match(KEYS) == {"a": 5}
+
+
+def test_unknown_parent_is_counted_and_skipped() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((77, 78), 999, PROMPT[2 * BS:4 * BS])))
+    assert index.match(KEYS) == {}
+    assert len(index) == 0
+    assert index.stats.skipped["parent"] == 2
+
+
+def test_blocks_without_tokens_or_of_another_medium_are_skipped() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, ()), stored((13,), None, PROMPT[:BS], None,
+                                                               "CPU"),
+                        stored((14, 15), None, (1 << 40,) * 2 * BS)))
+    assert len(index) == 0
+    assert index.stats.skipped == {"no_tokens": 2, "medium": 1, "token_ids": 2}
+    # Fewer token ids than blocks: the blocks with ids are filed, the rest counted.
+    index.apply(changes("a", stored((21, 22, 23), None, PROMPT[:2 * BS + 1])))
+    assert index.match(KEYS) == {"a": 2}
+    assert index.stats.skipped["token_ids"] == 3
+
+
+def test_removed_blocks_end_the_leading_run() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12, 13, 14, 15), None, PROMPT)))
+    index.apply(changes("a", BlockRemoved((13,))))
+    assert index.match(KEYS) == {"a": 2}
+    assert len(index) == 4
+    index.apply(changes("a", BlockRemoved((11, 999))))
+    assert index.match(KEYS) == {}
+    assert index.stats.removed == 2 and index.stats.removed_unknown == 1
+
+
+def test_cleared_and_resynced_ranks_forget_their_blocks() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    index.apply(changes("a", AllBlocksCleared(), stored((31,), None, PROMPT[:BS])))
+    assert index.match(KEYS) == {"a": 1}  # what follows the clear in the batch is kept
+    assert len(index) == 1
+    index.apply(changes("a", AllBlocksCleared(), resync=True))
+    assert index.match(KEYS) == {}
+    assert len(index) == 0 and index.stats.resyncs == 1 and index.stats.cleared == 2
+    # The old parent is gone with the clear: a child of it cannot be placed.
+    index.apply(changes("a", stored((13,), 12, PROMPT[2 * BS:3 * BS])))
+    assert index.match(KEYS) == {}
+
+
+def test_data_parallel_ranks_are_caches_of_their_own_and_the_pod_holds_their_union() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS]), rank=0))
+    # Rank 1 holds the same first block under its own hash, and more.
+    index.apply(changes("a", stored((51, 52, 53), None, PROMPT[:3 * BS]), rank=1))
+    assert index.match(KEYS) == {"a": 3}
+    # Removing rank 0's copy keeps rank 1's; the engine hashes of one rank mean nothing to the
+    # other (a removal on rank 0 of rank 1's hash does nothing).
+    index.apply(changes("a", BlockRemoved((11, 12, 53)), rank=0))
+    assert index.match(KEYS) == {"a": 3}
+    index.apply(changes("a", AllBlocksCleared(), rank=1))
+    assert index.match(KEYS) == {}
+    assert len(index) == 0
+
+
+def test_lora_blocks_live_under_the_adapters_root() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS], lora="sql")))
+    assert index.match(KEYS) == {}
+    assert index.match(keys_of(PROMPT, "sql")) == {"a": 2}
+    assert index.lora_names == {"sql"}
+
+
+def test_match_takes_each_pods_leading_run() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12, 13, 14, 15), None, PROMPT)))
+    index.apply(changes("b", stored((21, 22), None, PROMPT[:2 * BS])))
+    other = tokens(2 * BS, 1000)
+    index.apply(changes("c", stored((31, 32), None, other)))
+    assert index.match(KEYS) == {"a": 5, "b": 2}
+    assert index.match(KEYS[:3]) == {"a": 3, "b": 2}
+    assert index.match([]) == {}
+    # A pod with a later block but not the first holds no leading run.
+    index.apply(changes("d", stored((41, 42), None, PROMPT[:2 * BS]), BlockRemoved((41,))))
+    assert "d" not in index.match(KEYS)
+
+
+def test_the_bound_evicts_the_oldest_blocks_of_the_largest_rank() -> None:
+    index = PreciseIndex(6)
+    index.apply(changes("a", stored((11, 12, 13, 14, 15), None, PROMPT)))
+    index.apply(changes("b", stored((21, 22), None, PROMPT[:2 * BS])))
+    assert len(index) == 6 and index.stats.evicted == 1
+    # a lost its oldest block, hence its whole leading run; b kept both.
+    assert index.match(KEYS) == {"b": 2}
+    index.apply(changes("b", stored((23,), 22, PROMPT[2 * BS:3 * BS])))
+    assert len(index) == 6
+    assert index.match(KEYS) == {"b": 3}
+    assert index.stats.evicted == 2
+
+
+def test_the_bound_holds_under_churn_and_the_order_stays_small() -> None:
+    rng = random.Random(3)
+    index = PreciseIndex(500)
+    live: dict[str, list[int]] = {"a": [], "b": []}
+    for step in range(400):
+        pod = rng.choice(["a", "b"])
+        hashes = tuple(rng.getrandbits(64) for _ in range(rng.randrange(1, 20)))
+        index.apply(changes(pod, stored(hashes, None, tokens(len(hashes) * BS, step * 100))))
+        live[pod] += hashes
+        if rng.random() < 0.5:
+            gone = tuple(rng.sample(live[pod], min(len(live[pod]), rng.randrange(1, 15))))
+            index.apply(changes(pod, BlockRemoved(gone)))
+            live[pod] = [h for h in live[pod] if h not in gone]
+        assert len(index) <= 500
+        for entry in index._pods.values():
+            for rank in entry.ranks.values():
+                assert len(rank.order) - rank.head <= 2 * len(rank.blocks) + 64 + 20
+    assert index.stats.evicted > 0
+    assert len(index) == sum(len(rank.blocks) for entry in index._pods.values()
+                             for rank in entry.ranks.values())
+
+
+def test_max_blocks_zero_keeps_nothing() -> None:
+    index = PreciseIndex(0)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    assert len(index) == 0 and index.match(KEYS) == {}
+    assert index.has_events("a")
+
+
+def test_speculation_counts_until_it_expires() -> None:
+    index = PreciseIndex(100, speculative_ttl=2.0)
+    index.apply(changes("a", stored((11,), None, PROMPT[:BS])))
+    index.speculate("b", KEYS[:4], now=100.0)
+    assert index.match(KEYS, now=100.5) == {"a": 1, "b": 4}
+    assert index.match(KEYS, now=101.9) == {"a": 1, "b": 4}  # within the ttl
+    assert index.match(KEYS, now=103.1) == {"a": 1}  # beyond 1.5 x the ttl
+    index.speculate("b", [], now=103.1)  # a later speculation drops the expired ones
+    assert index.speculative_blocks == 0
+
+
+def test_speculation_and_real_blocks_make_one_leading_run() -> None:
+    index = PreciseIndex(100, speculative_ttl=2.0)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    index.speculate("a", KEYS, now=10.0)
+    index.apply(changes("a", BlockRemoved((12,))))  # its events say otherwise meanwhile
+    assert index.match(KEYS, now=10.1) == {"a": 5}
+    assert index.match(KEYS, now=20.0) == {"a": 1}
+    # Speculation renewed counts from its newest time.
+    index.speculate("a", KEYS[:3], now=20.0)
+    index.speculate("a", KEYS[:3], now=21.9)
+    assert index.match(KEYS, now=23.1) == {"a": 3}
+
+
+def test_speculation_is_bounded() -> None:
+    index = PreciseIndex(100, speculative_ttl=60.0, max_speculative=8)
+    index.speculate("a", KEYS, now=0.0)
+    index.speculate("b", keys_of(tokens(5 * BS, 500)), now=40.0)
+    assert index.speculative_blocks <= 8
+    assert index.match(KEYS, now=41.0) == {}  # a's older speculation went first
+    no_ttl = PreciseIndex(100, speculative_ttl=0)
+    no_ttl.speculate("a", KEYS, now=0.0)
+    assert no_ttl.match(KEYS, now=0.0) == {}
+
+
+def test_forget_drops_a_pod() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    index.apply(changes("b", stored((21,), None, PROMPT[:BS])))
+    index.speculate("a", KEYS, now=0.0)
+    index.forget("a")
+    index.forget("nobody")
+    assert index.match(KEYS, now=0.0) == {"b": 1}
+    assert len(index) == 1 and index.speculative_blocks == 0
+    assert not index.has_events("a") and index.event_pods() == {"b"}
+
+
+def test_a_block_announced_twice_is_held_once() -> None:
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    assert len(index) == 2
+    index.apply(changes("a", BlockRemoved((12,))))
+    assert index.match(KEYS) == {"a": 1}
+
+
+def test_messages_round_trip_through_the_wire_encoding() -> None:
+    index = PreciseIndex(100)
+    message = changes("a", stored((2**64 - 1, 12), None, PROMPT[:2 * BS]))
+    index.apply(decode(encode(message)))
+    index.apply(decode(encode(changes("a", BlockRemoved((2**64 - 1,))))))
+    assert index.match(KEYS) == {}
+    assert len(index) == 1
+
+
+@pytest.mark.parametrize("bad", [-1])
+def test_negative_bounds_are_refused(bad: int) -> None:
+    with pytest.raises(ValueError):
+        PreciseIndex(bad)
+    with pytest.raises(ValueError):
+        PreciseIndex(10, speculative_ttl=bad)
