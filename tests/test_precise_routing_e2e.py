@@ -27,6 +27,7 @@ from shared.subjects import model_key
 from simulator.tokenizer import WORDS
 from tests.support.collector import collector_process, pod, put_pool
 from tests.support.envoy import EnvoyProcess, start_envoy
+from tests.support.hf_tokenizer import write_tokenizer
 from tests.support.picker import PickerProcess
 from tests.support.simulator import SimulatedPods
 from tests.support.waiting import wait_until
@@ -106,39 +107,50 @@ async def _register(nats_url: str, pools: dict[str, list[tuple[str, SimulatedPod
         await nc.close()
 
 
-@pytest.fixture
-def fleet(nats_server: Any, tmp_path: Path) -> Iterator[Fleet]:
+@contextlib.contextmanager
+def running_fleet(nats_url: str, workdir: Path, sims: dict[str, SimulatedPods],
+                  pools: dict[str, list[tuple[str, str, int]]], picker_args: tuple[str, ...]
+                  ) -> Iterator[Fleet]:
+    """``sims`` started, ``pools`` (pool -> (pod name, sim group, index)) registered, then the
+    collector, lig kv-events, one picker (``picker_args``) and Envoy."""
     with contextlib.ExitStack() as stack:
-        sims = {
-            "a-map": SimulatedPods(2, model="sim-a", time_scale=50.0, port_args=event_args("map")),
-            "a-array": SimulatedPods(2, model="sim-a", time_scale=50.0, seed=1,
-                                     port_args=event_args("array")),
-            "b": SimulatedPods(2, model="sim-b", time_scale=50.0, seed=2,
-                               port_args=event_args("map")),
-        }
         for pods in sims.values():
             stack.enter_context(pods.start())
-        pools = {
-            "pool-a": [(f"{group}-{i}", sims[group], i) for group in ("a-map", "a-array")
-                       for i in range(2)],
-            "pool-b": [(f"b-{i}", sims["b"], i) for i in range(2)],
-        }
-        asyncio.run(_register(nats_server.url, pools))
-        stack.enter_context(collector_process(nats_server.url, "c1", "--interval", "0.05",
-                                              log_path=tmp_path / "collector.log"))
+        members = {pool: [(name, sims[group], index) for name, group, index in listed]
+                   for pool, listed in pools.items()}
+        asyncio.run(_register(nats_url, members))
+        stack.enter_context(collector_process(nats_url, "c1", "--interval", "0.05",
+                                              log_path=workdir / "collector.log"))
         stack.enter_context(kv_events_process(
-            nats_server.url, None, events_port=f"+{EVENTS_OFFSET}",
-            replay_port=f"+{REPLAY_OFFSET}"))
-        picker = PickerProcess("pool-a", nats_server.url, tmp_path, extra_args=(
-            "--pool", "pool-b", "--tokenizer", "pool-a=builtin:lig-sim", "--seed", "7"))
+            nats_url, None, events_port=f"+{EVENTS_OFFSET}", replay_port=f"+{REPLAY_OFFSET}"))
+        served = [arg for pool in pools for arg in ("--pool", pool)]
+        picker = PickerProcess(served[1], nats_url, workdir,
+                               extra_args=(*served[2:], "--seed", "7", *picker_args))
         picker.start()
         stack.callback(picker.stop)
         picker.wait_ready(timeout=30)
-        envoy = start_envoy([picker.endpoint], tmp_path)
+        envoy = start_envoy([picker.endpoint], workdir)
         stack.callback(envoy.stop)
-        fleet = Fleet(pools, envoy, picker)
+        fleet = Fleet(members, envoy, picker)
         stack.callback(fleet.client.close)
         yield fleet
+
+
+@pytest.fixture
+def fleet(nats_server: Any, tmp_path: Path) -> Iterator[Fleet]:
+    sims = {
+        "a-map": SimulatedPods(2, model="sim-a", time_scale=50.0, port_args=event_args("map")),
+        "a-array": SimulatedPods(2, model="sim-a", time_scale=50.0, seed=1,
+                                 port_args=event_args("array")),
+        "b": SimulatedPods(2, model="sim-b", time_scale=50.0, seed=2,
+                           port_args=event_args("map")),
+    }
+    pools = {"pool-a": [(f"{group}-{i}", group, i) for group in ("a-map", "a-array")
+                        for i in range(2)],
+             "pool-b": [(f"b-{i}", "b", i) for i in range(2)]}
+    with running_fleet(nats_server.url, tmp_path, sims, pools,
+                       ("--tokenizer", "pool-a=builtin:lig-sim")) as running:
+        yield running
 
 
 def _ask(fleet: Fleet, body: dict[str, Any]) -> None:
@@ -146,26 +158,32 @@ def _ask(fleet: Fleet, body: dict[str, Any]) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_requests_go_to_the_pod_whose_events_show_their_prefix(fleet: Fleet) -> None:
-    """For every pod of pool-a (both encodings): warm it directly, then every request with that
-    prefix goes through Envoy to it. Chance would put 4 groups x 4 requests on the warmed pods
-    with probability (1/4)^4 at best (the approximate index learns only from routed requests)."""
-    for group, (name, pods, index) in enumerate(fleet.pools["pool-a"]):
+def check_exact_routing(fleet: Fleet, pool: str, model: str, min_blocks: int) -> None:
+    """For every pod of ``pool``: warm it directly with a new prefix (``min_blocks`` blocks at
+    least), then every request with that prefix goes through Envoy to it."""
+    for group, (name, pods, index) in enumerate(fleet.pools[pool]):
         system = prefix(group)
-        stored = fleet.stored("pool-a")
+        stored = fleet.stored(pool)
         warm = httpx.post(pods.url(index) + "/v1/chat/completions", timeout=30.0,
-                          json=chat("sim-a", system, "warm up"))
+                          json=chat(model, system, "warm up"))
         assert warm.status_code == 200, warm.text
         # Until the pod's events reach the picker a request may go elsewhere (and be learned
         # there by the approximate index): wait until its index took the prefix's blocks.
-        wait_until(lambda stored=stored: fleet.stored("pool-a") >= stored + PREFIX_WORDS // 16,
+        wait_until(lambda stored=stored: fleet.stored(pool) >= stored + min_blocks,
                    within=15, what=f"the blocks of {name} in the picker's index")
-        before = fleet.counts("pool-a")
+        before = fleet.counts(pool)
         for question in range(QUESTIONS):
-            _ask(fleet, chat("sim-a", system, f"question {question} of group {group}?"))
-        after = fleet.counts("pool-a")
+            _ask(fleet, chat(model, system, f"question {question} of group {group}?"))
+        after = fleet.counts(pool)
         moved = {pod_name: after[pod_name] - before[pod_name] for pod_name in after}
         assert moved[name] == QUESTIONS, (name, moved, fleet.picker.log()[-3000:])
+
+
+def test_requests_go_to_the_pod_whose_events_show_their_prefix(fleet: Fleet) -> None:
+    """Every pod of pool-a (both encodings). Chance would put 4 groups x 4 requests on the
+    warmed pods with probability (1/4)^4 at best (the approximate index learns only from
+    routed requests)."""
+    check_exact_routing(fleet, "pool-a", "sim-a", PREFIX_WORDS // 16)
 
 
 def test_a_pool_without_tokenizer_still_routes(fleet: Fleet) -> None:
@@ -183,3 +201,16 @@ def test_a_pool_without_tokenizer_still_routes(fleet: Fleet) -> None:
     assert "pool pool-a: pods publish KV events but the pool has no tokenizer" not in log
 
 
+
+
+def test_exact_routing_with_a_tokenizer_json(nats_server: Any, tmp_path: Path) -> None:
+    """The Hugging Face path end to end: ``lig sim --tokenizer`` pods and ``lig picker
+    --tokenizer`` read the same tokenizer.json (a byte-level BPE with a ChatML template)."""
+    directory = write_tokenizer(tmp_path / "tokenizer").parent
+    sims = {"h": SimulatedPods(3, model="sim-h", time_scale=50.0, port_args=event_args("map"),
+                               extra_args=("--tokenizer", str(directory)))}
+    pools = {"pool-h": [(f"h-{i}", "h", i) for i in range(3)]}
+    with running_fleet(nats_server.url, tmp_path, sims, pools,
+                       ("--tokenizer", f"pool-h={directory}")) as running:
+        # The trained BPE has a token per word or more: at least the words' count of tokens.
+        check_exact_routing(running, "pool-h", "sim-h", PREFIX_WORDS // 16)

@@ -269,3 +269,22 @@ def test_hf_tokens_that_swallow_whitespace() -> None:
     assert tokenizer.cut
     for text in ("a  <tool>  b", "<tool> x", "x\n<tool>\n", "  <tool><tool>  y", "<tool>"):
         assert list(tokenizer.prompt_token_ids(text, None) or ()) == trained.encode(text).ids
+
+
+# -- lig sim --tokenizer: the simulated engine tokenizes as the picker does ------------------
+
+def test_sim_with_a_tokenizer_json_tokenizes_prompts_with_it(byte_level: HFTokenizer) -> None:
+    from simulator.openai_api import ApiError
+    body = json.dumps(_body(CHAT)).encode()
+    call = parse_completion(body, chat=True, default_model="m", prompt_tokenizer=byte_level)
+    expected = byte_level._tokenizer.encode(_rendered(byte_level, CHAT),
+                                            add_special_tokens=False).ids
+    assert list(call.prompt) == expected
+    call = parse_completion(b'{"prompt": "the water"}', chat=False, default_model="m",
+                            prompt_tokenizer=byte_level)
+    assert list(call.prompt) == byte_level._tokenizer.encode("the water").ids
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                         "image_url": {"url": "x"}}]}]}
+    with pytest.raises(ApiError):  # the simulator refuses non-text parts anyway
+        parse_completion(json.dumps(image).encode(), chat=True, default_model="m",
+                         prompt_tokenizer=byte_level)
