@@ -3,10 +3,12 @@
 vLLM hands the template to Hugging Face transformers' ``apply_chat_template``, which renders it in
 a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
 extension, a ``tojson`` filter that keeps non-ASCII text, and the globals ``raise_exception`` and
-``strftime_now``; the variables are ``messages``, ``add_generation_prompt`` (true for a chat
-request), and the tokenizer's special tokens (``bos_token``, ``eos_token``...) from
-``tokenizer_config.json``. This module does the same, so that the rendered text (then tokenized
-without adding special tokens, as vLLM does for chat) gives the engine's token ids.
+``strftime_now``, and its ``{% generation %}`` tag; the variables are ``messages``,
+``add_generation_prompt`` (true for a chat request), ``tools`` and ``documents`` (none: the
+picker does not read them), and the tokenizer's special tokens (``bos_token``, ``eos_token``...,
+``additional_special_tokens``) from ``tokenizer_config.json``. This module does the same, so
+that the rendered text (then tokenized without adding special tokens, as vLLM does for chat)
+gives the engine's token ids.
 
 Where the template comes from (as transformers looks for it): a ``chat_template.jinja`` file beside
 ``tokenizer.json``, else the ``chat_template`` field of ``tokenizer_config.json`` (a string, or a
@@ -23,11 +25,28 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 # The tokenizer_config.json fields a template may read as variables.
 _SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                          "cls_token", "mask_token")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' marker of the assistant's
+    tokens, for training masks): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Any) -> str:
+        return str(caller())
 
 
 class ChatTemplateError(ValueError):
@@ -61,9 +80,10 @@ def _token_text(value: object) -> str | None:
 class ChatTemplate:
     """One compiled chat template and the special-token variables it is rendered with."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+    def __init__(self, source: str, special_tokens: Mapping[str, Any]) -> None:
         environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
         environment.globals["strftime_now"] = _strftime_now
@@ -72,7 +92,9 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as error:
             raise ChatTemplateError(f"chat template does not compile: {error}") from None
         self.source = source
-        self._variables = dict(special_tokens)
+        # transformers passes tools and documents even when there are none: templates test
+        # them with "is not none", which an undefined variable passes.
+        self._variables: dict[str, Any] = {"tools": None, "documents": None, **special_tokens}
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt text of ``messages`` (``role``/``content`` dicts), ending with the opening
@@ -109,6 +131,10 @@ def load_chat_template(directory: Path, config: Mapping[str, Any]) -> ChatTempla
                                     "nor a list of named templates")
     if source is None:
         return None
-    tokens = {name: text for name in _SPECIAL_TOKEN_FIELDS
-              if (text := _token_text(config.get(name))) is not None}
+    tokens: dict[str, Any] = {name: text for name in _SPECIAL_TOKEN_FIELDS
+                              if (text := _token_text(config.get(name))) is not None}
+    additional = config.get("additional_special_tokens")
+    if isinstance(additional, list):
+        tokens["additional_special_tokens"] = [
+            text for item in additional if (text := _token_text(item)) is not None]
     return ChatTemplate(source, tokens)

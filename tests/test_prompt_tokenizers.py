@@ -288,3 +288,15 @@ def test_sim_with_a_tokenizer_json_tokenizes_prompts_with_it(byte_level: HFToken
     with pytest.raises(ApiError):  # the simulator refuses non-text parts anyway
         parse_completion(json.dumps(image).encode(), chat=True, default_model="m",
                          prompt_tokenizer=byte_level)
+
+
+def test_template_variables_and_tags_as_transformers_renders_them() -> None:
+    """``tools`` is none (not undefined), ``{% generation %}`` renders its body, ``tojson``
+    keeps non-ASCII text, special tokens are variables."""
+    from scheduling.chat_template import ChatTemplate
+    template = ChatTemplate(
+        "{% if tools is not none %}TOOLS{% endif %}{{ bos_token }}"
+        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"
+        "{% endfor %}{{ additional_special_tokens | length }}",
+        {"bos_token": "<s>", "additional_special_tokens": ["<a>", "<b>"]})
+    assert template.render([{"role": "user", "content": "café"}]) == '<s>"café"2'
