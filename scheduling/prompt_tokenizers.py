@@ -56,6 +56,14 @@ DEFAULT_CACHE_ENTRIES = 65_536
 
 _hash128 = xxhash.xxh3_128_intdigest
 
+# Long text is cut into chunks of about this many characters, so that two prompts sharing a
+# long prefix share all its chunks but the last: each cut is the first place at least this far
+# into the rest where one space stands between a non-space and a letter. Word-level
+# pre-tokenizers (GPT-2 / Llama 3 / Qwen byte-level, Metaspace) start a word there, so no token
+# spans it; the load-time check verifies it per tokenizer.
+CHUNK_CHARS = 1024
+_CHUNK_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+
 
 class TokenizerLoadError(ValueError):
     """A tokenizer that cannot be loaded (the message names the file and the reason)."""
@@ -183,6 +191,25 @@ class _Tokenizer:
         return ids
 
     def _cached(self, text: str) -> array.array[int] | None:
+        """Ids of ``text``, a long one in chunks (:data:`CHUNK_CHARS`) each through the cache."""
+        if len(text) <= CHUNK_CHARS:
+            return self._cached_piece(text)
+        ids = array.array("I")
+        start = 0
+        while start < len(text):
+            end = len(text)
+            if end - start > CHUNK_CHARS:
+                cut = _CHUNK_CUT.search(text, start + CHUNK_CHARS)
+                if cut is not None:
+                    end = cut.start()
+            piece = self._cached_piece(text[start:end])
+            if piece is None:
+                return None
+            ids += piece
+            start = end
+        return ids
+
+    def _cached_piece(self, text: str) -> array.array[int] | None:
         key = _key(text)
         ids = self.cache.get(key)
         if ids is None:
@@ -237,6 +264,14 @@ _SAMPLE_TEXTS = (
     "Hello world", " leading space", "two  spaces\n\nnew lines\t tabs ",
     "numbers 12345 and 3.14159, punctuation!? (yes) <b>tags</b> caf\u00e9 na\u00efve \u65e5\u672c",
 )
+# Text on both sides of a chunk cut: every pair (left, " " + right starting with a letter) is
+# checked, and a long text of them all is cut into chunks.
+_SAMPLE_FRAGMENTS = (
+    "The quick brown fox", "jumps over 12345 lazy dogs.", "Caf\u00e9 na\u00efve r\u00e9sum\u00e9",
+    "\u65e5\u672c\u8a9e \u30c6\u30ad\u30b9\u30c8", "it's (really) fine!", "tabs\tand\nnew lines",
+    "a  double  space", "x", "\u00c9t\u00e9", "UPPER lower", "#tag @user", "end\n", "don't")
+_SAMPLE_LONG = " ".join(_SAMPLE_FRAGMENTS[index % len(_SAMPLE_FRAGMENTS)]
+                        for index in range(CHUNK_CHARS // 4))
 _SAMPLE_CHATS = (
     [("system", "You are a helpful assistant.\n\nRules: 1) be brief  2) cite 12345 sources"),
      ("user", "  Hello, w\u00f6rld! <tags> end  "), ("assistant", "Hi there."),
@@ -296,15 +331,24 @@ class HFTokenizer(_Tokenizer):
         """Whether the cut and cached tokenization gives the tokenizer's own ids on the samples
         (chat samples rendered with the template, when there is one)."""
         specials = list(self._special_ids)[:3]
-        texts = list(_SAMPLE_TEXTS) + [f"{text}{token}{text}" for token in specials
-                                       for text in _SAMPLE_TEXTS[:2]]
+        texts = [*_SAMPLE_TEXTS, _SAMPLE_LONG, *(f"{text}{token}{text}" for token in specials
+                                                 for text in (*_SAMPLE_TEXTS[:2], _SAMPLE_LONG))]
         for text in texts:
             whole = self._tokenizer.encode(text, add_special_tokens=True).ids
             if self._cut_completion(text) != array.array("I", whole):
                 return False
+        for left in _SAMPLE_FRAGMENTS:
+            for right in _SAMPLE_FRAGMENTS:
+                if _CHUNK_CUT.match(f"{left} {right}", len(left)) is None:
+                    continue  # not a place chunks are cut at
+                whole = self._tokenizer.encode(f"{left} {right}", add_special_tokens=False).ids
+                cut = (self._tokenizer.encode(left, add_special_tokens=False).ids
+                       + self._tokenizer.encode(" " + right, add_special_tokens=False).ids)
+                if whole != cut:
+                    return False
         if self.template is None:
             return True
-        for turns in _SAMPLE_CHATS:
+        for turns in (*_SAMPLE_CHATS, [("user", _SAMPLE_LONG)]):
             try:
                 rendered = self.template.render(self._template_messages(turns))
             except jinja2.TemplateError:

@@ -300,3 +300,42 @@ def test_template_variables_and_tags_as_transformers_renders_them() -> None:
         "{% endfor %}{{ additional_special_tokens | length }}",
         {"bos_token": "<s>", "additional_special_tokens": ["<a>", "<b>"]})
     assert template.render([{"role": "user", "content": "café"}]) == '<s>"café"2'
+
+
+# -- long text in chunks ----------------------------------------------------------------------
+
+_LONG = " ".join(["Once", "upon", "a", "time,", "12345", "caf\u00e9", "there", "was", "it's",
+                  "(really)", "a", "fox."] * 60)  # ~3,000 characters: three chunks and a bit
+
+
+@pytest.mark.parametrize("kind", ["sim", "hf"])
+def test_long_shared_prefix_is_tokenized_once(kind: str, byte_level: HFTokenizer) -> None:
+    tokenizer = SimTokenizer() if kind == "sim" else load_prompt_tokenizer(byte_level.name)
+    assert isinstance(tokenizer, SimTokenizer | HFTokenizer)
+
+    def whole(text: str) -> list[int]:
+        if isinstance(tokenizer, SimTokenizer):
+            import simulator.tokenizer as sim
+            return list(sim.encode(text))
+        return tokenizer._tokenizer.encode(text).ids
+
+    first = _LONG + " first question?"
+    assert list(tokenizer.prompt_token_ids(first, None) or ()) == whole(first)
+    hits, misses = tokenizer.cache.hits, tokenizer.cache.misses
+    second = _LONG + " another question?"
+    assert list(tokenizer.prompt_token_ids(second, None) or ()) == whole(second)
+    assert tokenizer.cache.hits >= hits + 2  # the shared chunks
+    assert tokenizer.cache.misses == misses + 1  # only the last chunk is new
+
+
+_words = st.sampled_from(["a", "the", "water", "12345", "3.14", "caf\u00e9", "it's", "(x)",
+                          "!", "\n", "\t", "", "<|im_end|>", "<s>", "\u65e5\u672c", "Word"])
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(_words, min_size=300, max_size=900))
+def test_hf_long_text_in_chunks_equals_whole(byte_level: HFTokenizer, words: list[str]) -> None:
+    text = " ".join(words)
+    assert list(byte_level.prompt_token_ids(text, None) or ()) == \
+        byte_level._tokenizer.encode(text).ids
