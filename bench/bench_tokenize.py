@@ -12,10 +12,10 @@ question that differs every time, the case prefix caching is for. CPU time per r
 - ``ours``: ``prompt_token_ids`` (template, cut, cache) plus ``block_keys`` of the result (block
   size 16): everything the router pays before it looks the keys up; ``of which keys``: the
   ``block_keys`` part alone;
-- ``ours, nothing shared``: the same with a different system prompt every request (every piece a
-  cache miss: the overhead over the plain call);
-- ``completion, shared``: a completion prompt of the same text, shared prefix and different end:
-  one piece, so the cache cannot help (tokenized whole every time).
+- ``ours, nothing shared``: the same with new random words as the system prompt every request
+  (every piece a cache miss: the overhead over the plain call);
+- ``completion, shared``: a completion prompt of the same text, shared prefix and different end
+  (the cache holds the prefix's chunks, see ``CHUNK_CHARS``).
 
 Tokenizers: ``builtin:lig-sim`` and a byte-level BPE ``tokenizer.json`` trained here on the
 simulator's words (``tests/support/hf_tokenizer.py``; this machine cannot download a model's).
@@ -82,7 +82,7 @@ def run_once(name: str, subject: Subject, tokens: int, requests: int,
         ids = tokenizer.prompt_token_ids(None, chat)
         assert ids is not None
         times["of which keys"].append(cpu_us(block_keys, ids, BLOCK_SIZE, ROOT))
-        unique = [Message("system", f"{index} {system}"), Message("user", question)]
+        unique = [Message("system", words(tokens - 60, rng)), Message("user", question)]
         times["ours, nothing shared"].append(cpu_us(ours, unique))
 
         def completion(text: str = system + " " + question) -> None:
