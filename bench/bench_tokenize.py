@@ -111,7 +111,7 @@ def main() -> None:
     simulated = SimTokenizer()
 
     def hf_render(chat: list[Message]) -> str:
-        return hf_template.render([{"role": m.role, "content": m.content} for m in chat])
+        return hf_template.render([{"role": m.role, "content": str(m.content)} for m in chat])
 
     def hf_plain(text: str) -> list[int]:
         return hf._tokenizer.encode(text, add_special_tokens=False).ids

@@ -411,7 +411,7 @@ class HFTokenizer(_Tokenizer):
     def _completion(self, text: str) -> array.array[int] | None:
         return self._cut_completion(text) if self.cut else self._whole(text, True)
 
-    def _template_messages(self, turns: list[tuple[str, Content]]) -> list[dict[str, Any]]:
+    def _template_messages(self, turns: Sequence[tuple[str, Content]]) -> list[dict[str, Any]]:
         if self._openai_content:
             return [{"role": role, "content": [
                 {"type": "text", "text": text}
