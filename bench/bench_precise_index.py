@@ -10,7 +10,11 @@
    whole prompt and the others its first 50 blocks: ``block_keys``, ``match`` and
    ``speculate``; the baseline is ``block_keys`` (hashing the tokens, which any precise lookup
    needs).
-3. Memory (in a fresh process, so nothing else is counted): RSS before and after filling an
+3. A whole routing decision (``Router.route``, prefix-aware policy, 8 pods) for a completion
+   prompt of 4,000 token ids (a tokenizer that returns them as they are, so tokenization costs
+   nothing here): precise scoring (every pod publishes events, one holds the prompt) against
+   the same router without a tokenizer (the approximate index) in the same run; CPU time.
+4. Memory (in a fresh process, so nothing else is counted): RSS before and after filling an
    index bounded at ``--blocks`` blocks over 8 pods, and the bytes per block.
 
 Medians of ``--runs`` interleaved runs, in microseconds.
@@ -25,14 +29,18 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 
 from scheduling.precise_index import PreciseIndex
 from scheduling.token_blocks import block_keys, root_key
+from services.picker.routing import Routed, Router
+from services.picker.state import PodTable
 from shared.kv_blocks import KVBlockChanges, decode, encode
 from shared.kv_events import BlockStored
+from shared.registry_view import RegistryView
+from shared.schemas import Endpoint, EndpointSet, InferencePool, PodMetrics, PolicyConfig
 
 BLOCK = 16
 BATCH_BLOCKS = 64
@@ -112,6 +120,62 @@ def bench_request(runs: int, requests: int) -> None:
         print(f"  {name:16} {value:8.1f} us per request   x{value / base:.2f}")
 
 
+class TokenIds:
+    """The pool's tokenizer for prompts given as token ids: they are the tokens."""
+
+    def prompt_token_ids(self, prompt: object, messages: object) -> Sequence[int] | None:
+        """``prompt`` when it is a list of token ids."""
+        return prompt if isinstance(prompt, list) else None
+
+
+def routing_fleet(precise: bool, tokens: list[int]) -> Router:
+    """A prefix-aware router over 8 idle pods; with ``precise``, every pod publishes events, one
+    holds the whole prompt, the others its first 50 blocks, and the pool has a tokenizer."""
+    router = Router("pool", PodTable(stale_after=3600.0), random.Random(1))
+    view = RegistryView()
+    view.pools["pool"] = InferencePool(name="pool", target_port=8000,
+                                       policy=PolicyConfig("prefix-aware"))
+    endpoints = tuple(Endpoint(f"pod-{n}", "10.0.0.1", 8000 + n) for n in range(8))
+    view.endpoints["pool"] = EndpointSet(pool="pool", endpoints=endpoints)
+    view.models["pool"] = {}
+    router.update(view)
+    for seq, endpoint in enumerate(endpoints, start=1):
+        router.pods.apply(PodMetrics(pool="pool", pod=endpoint.name, address=endpoint.hostport,
+                                     seq=seq, scrape_time_ns=seq, scrape_duration_s=0.0,
+                                     ok=True))
+    if precise:
+        router.tokenizer = TokenIds()
+        for n, endpoint in enumerate(endpoints):
+            held = len(tokens) // BLOCK if n == 0 else 50
+            router.precise.apply(KVBlockChanges(
+                "pool", endpoint.name, endpoint.hostport, 0, 0.0,
+                [BlockStored(tuple(range(n * 1000, n * 1000 + held)), None,
+                             tuple(tokens[:held * BLOCK]), BLOCK, None, None)]))
+    return router
+
+
+def bench_route(runs: int, requests: int) -> None:
+    rng = random.Random(4)
+    tokens = [rng.randrange(128_000) for _ in range(4000)]
+    body = msgspec.json.encode({"model": "m", "prompt": tokens, "max_tokens": 16})
+    routers = {"approximate": routing_fleet(False, tokens), "precise": routing_fleet(True, tokens)}
+    picks = {name: router.route(body) for name, router in routers.items()}
+    precise_pick = picks["precise"]
+    assert isinstance(precise_pick, Routed) and precise_pick.pod == "pod-0", precise_pick
+    samples: dict[str, list[float]] = {name: [] for name in routers}
+    for _ in range(runs):
+        for name, router in routers.items():
+            start = time.process_time()
+            for _ in range(requests):
+                router.route(body)
+            samples[name].append((time.process_time() - start) / requests * 1e6)
+    results = {name: statistics.median(values) for name, values in samples.items()}
+    base = results["approximate"]
+    print("Router.route, 4,000 token ids in the body, prefix-aware, 8 pods (CPU time):")
+    for name, value in results.items():
+        print(f"  {name:16} {value:8.1f} us per request   x{value / base:.2f}")
+
+
 def rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -153,6 +217,7 @@ def main() -> None:
           f"medians of {args.runs} runs")
     bench_apply(args.runs, args.batches)
     bench_request(args.runs, args.requests)
+    bench_route(args.runs, args.requests)
     subprocess.run([sys.executable, __file__, "--memory-only", "--blocks", str(args.blocks)],
                    check=True)
 

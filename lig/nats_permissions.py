@@ -8,9 +8,11 @@ What each service may do (``P`` is the subject prefix, ``B`` the registry bucket
 | registry | ``$KV.B.>`` (puts, deletes) | replies | creates, updates and reads ``KV_B`` |
 | collector | ``P.metrics.>``, ``P.collectors.>`` | ``P.collectors.*`` | manages ``S``; reads KV |
 | kv-events | ``P.kvblocks.>`` | nothing | manages ``P_KVBLOCKS``; reads ``KV_B`` |
-| picker | ``P.decisions.>`` | ``P.metrics.>``, ``P.kvblocks.>``, ``P.decisions.>`` | ``KV_B`` |
+| picker | ``P.decisions.>`` | ``P.metrics.>``, ``P.kvblocks.>``, ``P.decisions.>`` | ``KV_B`` (1) |
 | status | nothing | ``P.metrics.>``, ``P.kvblocks.>``, ``P.collectors.*`` | reads all three |
 | replay | everything above, under its own prefix only | same | same, on its own bucket/stream |
+
+(1) and reads ``P_KVBLOCKS`` (the precise prefix index's history at start).
 
 JetStream is reached by requests to ``$JS.API.<verb>.<stream>...``; the reply comes back on the
 client's ``_INBOX.>``. No user may *publish* to ``_INBOX.>``: that would let it forge answers to
@@ -108,7 +110,8 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
                    *_read_stream(bucket)]
         subscribe = []
     elif service == "picker":
-        publish = [decisions(subjects), *_read_stream(bucket)]
+        publish = [decisions(subjects), *_read_stream(bucket),
+                   *_read_stream(subjects.kv_blocks_stream)]
         subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(), decisions(subjects)]
     elif service == "status":
         publish = [*_read_stream(bucket), *_recordings(subjects, _read_stream),

@@ -17,9 +17,11 @@ What is kept, per pod:
 - the keys any of its ranks holds. A pod holds a block when one of its ranks does: vLLM's
   front end spreads a pod's requests over its ranks by load, not by prefix, so a match is the
   best case of the pod's ranks (documented in docs/kv-events.md);
-- speculative keys with their expiry: :meth:`PreciseIndex.speculate` counts a routed request's
-  blocks as cached on the chosen pod at once, until ``speculative_ttl`` seconds later, so that a
-  burst of one prefix does not miss while the pod's events are on their way.
+- speculative keys, in generations of half the ttl: :meth:`PreciseIndex.speculate` counts a
+  routed request's blocks as cached on the chosen pod at once, for ``speculative_ttl`` seconds
+  (up to 1.5 times that), so that a burst of one prefix does not miss while the pod's events are
+  on their way. Time is the caller's (``now``, or the index's ``clock``): virtual in a
+  benchmark, so give ``match`` the same time as ``speculate``, or a ``clock``.
 
 Skipped, counted by reason in :attr:`PreciseIndex.stats`: blocks whose parent is unknown to the
 rank's map (``parent``: a prompt lookup, which starts at the root, could never reach them),
@@ -31,7 +33,7 @@ its own tier).
 Hard memory bound: at most ``max_blocks`` (rank, engine hash) entries; beyond it the oldest
 stored blocks of the rank holding the most are evicted (the engine's own eviction, announced by
 ``BlockRemoved``, normally keeps the index well under it). Speculative entries are bounded apart,
-by ``max_speculative`` (the oldest speculation dropped first). ``bench/bench_precise_index.py``
+by ``max_speculative`` (the oldest generation dropped first). ``bench/bench_precise_index.py``
 reports the bytes per block and the process's RSS at the bound.
 """
 

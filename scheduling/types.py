@@ -42,9 +42,11 @@ class SchedulingRequest(msgspec.Struct, frozen=True):
 
     ``prompt_tokens`` is the estimate of ``scheduling/prompt.py``; ``max_tokens`` the client's
     completion limit (0: none given); ``prefix_hashes`` the chained hashes of the prompt's
-    leading fixed-size blocks (``scheduling/prefix_hash.py``; deterministic across processes);
-    ``prefix_hits`` maps a pod name to the number of leading blocks the pool's prefix index
-    believes that pod holds (filled by the Router before the policy runs; pods with none absent).
+    leading fixed-size blocks (``scheduling/prefix_hash.py``; deterministic across processes),
+    or, when the router scores precisely from KV-cache events, the keys of the prompt's token
+    blocks (``scheduling/token_blocks.py``); ``prefix_hits`` maps a pod name to the number of
+    those leading blocks the pool's prefix indexes say that pod holds (filled by the Router
+    before the policy runs; pods with none absent).
     """
 
     model: str

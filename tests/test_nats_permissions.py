@@ -20,6 +20,8 @@ from lig.nats_config import write_config
 from lig.server_binaries import server_binary
 from recording.fileformat import Entry, FileHeader, Kind, Writer
 from services.kvevents.recording import stream_config
+from services.picker.kv_blocks_feed import KVBlocksSink
+from services.picker.kv_blocks_feed import subscribe as subscribe_kv_blocks
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
 from shared.recording import ensure_stream
@@ -275,6 +277,16 @@ async def test_kv_events_publishes_block_changes_and_records_them_only(
                          what="the picker hears block changes")
         wanted = stream_config(SUBJECTS, 60.0, 1 << 20)
         assert await ensure_stream(kv_events.jetstream(), wanted) == "created"
+        # A picker reads the recording (its precise index's history), and cannot remove it.
+        await kv_events.publish(subject, b"recorded")
+        await kv_events.flush()
+        skipped: list[str] = []
+        sink = KVBlocksSink(lambda pool: None, on_skip=skipped.append)
+        await subscribe_kv_blocks(picker, SUBJECTS, sink, ["pool-a"], history=True)
+        await eventually(lambda: skipped == ["undecodable"], within=5,
+                         what="the picker reads the recorded (undecodable) message")
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await picker.jetstream(timeout=DENIED_S).delete_stream(SUBJECTS.kv_blocks_stream)
         # Not its job: snapshots, the registry, the pickers' block changes stream from a picker.
         got = await heard(secured, SUBJECTS.all_metrics(), kv_events,
                           SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))

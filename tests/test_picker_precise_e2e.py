@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -178,3 +180,44 @@ async def test_lig_pickers_index_holds_the_blocks_the_pods_announced(
             before = metric(picker, UNDECODABLE) or 0.0
             await garbage_counted(nc, picker, before + 1)
             assert picker.process is not None and picker.process.poll() is None
+
+
+async def test_a_picker_started_after_the_pods_reads_the_blocks_they_hold(
+    nc: Client, nats_server: Any, picker_process: Callable[..., PickerProcess]
+) -> None:
+    """vLLM announces a block once: a picker that starts later learns the blocks the pods
+    already hold from lig kv-events' recording; without it (--no-precise-history) it does not."""
+    expected = PreciseIndex(100_000)
+
+    async def on_message(message: Msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            expected.apply(kv_blocks.decode(message.data))
+
+    await nc.subscribe(SUBJECTS.all_kv_blocks(), cb=on_message)
+    with EventPods(2, "map") as pods:
+        await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
+        with kv_events_process(nats_server.url, pods) as (_, _, log):
+            await asyncio.sleep(1.0)
+            for index in range(4):
+                await asyncio.to_thread(pods.complete, index % 2,
+                                        (SHARED if index % 2 else OTHER) + f"number {index}")
+            await eventually(lambda: len(expected.event_pods()) == 2, within=20,
+                             what=f"block changes\n{output(log)}")
+            held = len(expected)
+            await asyncio.sleep(0.5)  # nothing more on its way: the pods are idle
+            assert len(expected) == held > 0
+            later = picker_process(POOL, nats_server.url, extra_args=("--precise-blocks", "1000"))
+            live_only = picker_process(POOL, nats_server.url,
+                                       extra_args=("--precise-blocks", "1000",
+                                                   "--no-precise-history"))
+            blocks = f'lig_picker_precise_blocks{{pool="{POOL}"}}'
+            await eventually(lambda: metric(later, blocks) == held, within=20,
+                             what=f"the recorded blocks in the later picker\n{later.log()}")
+            await garbage_counted(nc, live_only, 1.0)  # it is subscribed, and up to date
+            assert metric(live_only, blocks) == 0.0
+            assert "reading LIG_KVBLOCKS from its start" in later.log()
+            # Its ordered consumers do not hold up a clean stop.
+            started = time.monotonic()
+            later.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(later.wait, 10) == 0
+            assert time.monotonic() - started < 5, later.log()

@@ -10,6 +10,7 @@ from scheduling.precise_index import PreciseIndex
 from scheduling.token_blocks import block_keys, root_key
 from shared.kv_blocks import KVBlockChanges, decode, encode
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.test_sim_kv_events import run_with_events, shared_prefix_workload
 
 BS = 4  # tokens per block
 ROOT = root_key(None)
@@ -251,3 +252,21 @@ def test_negative_bounds_are_refused(bad: int) -> None:
         PreciseIndex(bad)
     with pytest.raises(ValueError):
         PreciseIndex(10, speculative_ttl=bad)
+
+
+def test_the_simulators_event_stream_rebuilds_its_cache_with_eviction() -> None:
+    """The events of a simulated engine that evicts a lot, applied in order: the index holds
+    exactly as many blocks as the engine caches at the end, nothing skipped or unknown, and the
+    last prompt's blocks are found under the keys a tokenized prompt would give."""
+    arrivals = shared_prefix_workload(200)
+    events, cached = run_with_events(300, arrivals)
+    index = PreciseIndex(100_000)
+    for seq, event in enumerate(events):
+        index.apply(KVBlockChanges("pool", "pod", "10.0.0.1:8000", seq, 0.0, [event]))
+    assert index.stats.removed > 100
+    assert len(index) == len(cached)
+    assert not index.stats.skipped and index.stats.removed_unknown == 0
+    last = arrivals[-1].spec.prompt
+    assert isinstance(last, tuple)
+    keys = block_keys(last, 16, root_key(None))
+    assert index.match(keys) == {"pod": len(keys)}

@@ -248,7 +248,8 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         life.on_close(lambda: ext_proc.stop(SHUTDOWN_GRACE), within=SHUTDOWN_GRACE + 1.0)
         await ext_proc.start()
         nats = _NatsLink(settings.nats, subjects, RegistryView(), gateway, metrics, decisions,
-                         kv_blocks=settings.precise_blocks > 0)
+                         kv_blocks=settings.precise_blocks > 0,
+                         kv_history=settings.precise_history)
         tasks = (asyncio.create_task(nats.run(stop)),
                  asyncio.create_task(_housekeeping(stop, nats, gateway, health, metrics)))
         # After the drain, ext_proc, the NATS side and housekeeping end together: each may take
@@ -315,7 +316,8 @@ class _NatsLink:
 
     def __init__(self, settings: NatsSettings, subjects: Subjects, view: RegistryView,
                  gateway: Gateway, metrics: PickerMetrics,
-                 decisions: DecisionPublisher | None = None, kv_blocks: bool = False) -> None:
+                 decisions: DecisionPublisher | None = None, kv_blocks: bool = False,
+                 kv_history: bool = False) -> None:
         self._settings = settings
         self._subjects = subjects
         self._metrics = metrics
@@ -329,6 +331,7 @@ class _NatsLink:
             on_out_of_order=metrics.out_of_order.inc,
             on_wrong_address=metrics.wrong_address.inc,
             on_received=metrics.snapshots.inc)
+        self._kv_history = kv_history
         self.kv_blocks_sink = KVBlocksSink(
             self._precise_index, on_skip=lambda reason: metrics.kv_blocks_skipped.labels(
                 reason).inc()) if kv_blocks else None
@@ -341,6 +344,17 @@ class _NatsLink:
         if router is None or not router.precise.max_blocks:
             return None
         return router.precise, router.pods
+
+    async def _follow_kv_blocks(self, client: Client, pools: list[str]) -> None:
+        """Subscribe to the pods' KV block changes (a failure is logged: the precise index then
+        learns nothing, the approximate one still serves)."""
+        assert self.kv_blocks_sink is not None
+        try:
+            await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools,
+                                      history=self._kv_history)
+        except Exception:
+            log.exception("cannot subscribe to the KV block changes; prefix scoring uses the "
+                          "approximate index")
 
     @property
     def connected(self) -> bool:
@@ -374,17 +388,18 @@ class _NatsLink:
                 on_undecodable=lambda key, exc: undecodable.inc())
             pools = [] if self._gateway.all_pools else list(self._gateway.routers)
             await subscribe(client, self._subjects, self.sink, pools)
+            background = []
             if self.kv_blocks_sink is not None:
-                await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools)
-            publishing = None
+                # Its own task: looking up the recording must not delay the registry watch.
+                background.append(asyncio.create_task(self._follow_kv_blocks(client, pools)))
             if self.decisions is not None:
                 await subscribe_decisions(client, self._subjects, self.decision_sink, pools)
-                publishing = asyncio.create_task(self.decisions.run(client))
+                background.append(asyncio.create_task(self.decisions.run(client)))
             try:
                 await self.watcher.run(stop)
             finally:
-                if publishing is not None:
-                    await cancel_and_wait(publishing)
+                for task in background:
+                    await cancel_and_wait(task)
 
 
 async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,

@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.picker.feeds import subscribe_each
 from shared.logs import RateLimitedLog
 from shared.schemas import DecisionBatch, DecisionEvent, DecodeError, decode, encode
 from shared.subjects import Subjects
@@ -159,9 +159,5 @@ async def subscribe_decisions(client: Client, subjects: Subjects, sink: Decision
                               pools: Sequence[str]) -> list[Subscription]:
     """Feed every decision batch of ``pools`` (empty: of every pool) into ``sink``."""
 
-    async def on_message(message: Msg) -> None:
-        sink.accept(message.subject, message.data)
-
     names = [subjects.decisions(pool) for pool in pools] or [subjects.all_decisions()]
-    return [await client.subscribe(name, cb=on_message, pending_msgs_limit=100_000)
-            for name in names]
+    return await subscribe_each(client, names, sink.accept)

@@ -2,6 +2,12 @@
 ``<prefix>.kvblocks.<pool>.>`` for each served pool (``<prefix>.kvblocks.>`` when serving every
 pool), one :class:`~shared.kv_blocks.KVBlockChanges` per message, published by ``lig kv-events``.
 
+With ``history``, and when ``lig kv-events`` records them (JetStream stream ``<PREFIX>_KVBLOCKS``),
+the feed reads the recording from its start and then goes on live, through one ordered consumer
+per subject: vLLM announces a block once, when it enters the cache, so a picker started after the
+pods would otherwise never learn the blocks they already hold (a hot system prompt, say). Without
+the recording (or the right to read it) it subscribes to the live messages only, and says so.
+
 Messages that do not decode (garbage, another schema version), of a pool not served, or about a
 pod the registry lists at another address are counted and skipped (logged, rate-limited), never
 raised. Nothing is checked against the subject: the payload names its pool and pod.
@@ -9,6 +15,7 @@ raised. Nothing is checked against the subject: the payload names its pool and p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -16,8 +23,12 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from scheduling.precise_index import PreciseIndex
+from services.picker.feeds import PENDING_MESSAGES, subscribe_each
 from services.picker.state import PodTable
 from shared.kv_blocks import decode
 from shared.logs import RateLimitedLog
@@ -63,12 +74,49 @@ class KVBlocksSink:
 
 
 async def subscribe(client: Client, subjects: Subjects, sink: KVBlocksSink,
-                    pools: Sequence[str]) -> list[Subscription]:
-    """Feed the KV block-set changes of ``pools`` (empty: of every pool) into ``sink``."""
+                    pools: Sequence[str], history: bool = False) -> list[Subscription]:
+    """Feed the KV block-set changes of ``pools`` (empty: of every pool) into ``sink``; with
+    ``history``, those recorded before too (see the module's docstring)."""
+
+    names = [subjects.pool_kv_blocks(pool) for pool in pools] or [subjects.all_kv_blocks()]
+    if history:
+        recorded = await _subscribe_recorded(client, subjects.kv_blocks_stream, names, sink)
+        if recorded is not None:
+            return recorded
+    return await subscribe_each(client, names, sink.accept)
+
+
+async def _subscribe_recorded(client: Client, stream: str, names: Sequence[str],
+                              sink: KVBlocksSink) -> list[Subscription] | None:
+    """Ordered consumers over ``stream`` from its first message, one per subject; None (logged)
+    when the stream cannot be read."""
+    js = client.jetstream()
+    try:
+        await js.stream_info(stream)
+    except NotFoundError:
+        log.info("no recording of KV block changes (%s): the precise index learns from the "
+                 "live changes only", stream)
+        return None
+    except (NatsError, TimeoutError) as exc:
+        log.warning("cannot read the recording of KV block changes %s (%s: %s): the precise "
+                    "index learns from the live changes only", stream, type(exc).__name__, exc)
+        return None
 
     async def on_message(message: Msg) -> None:
         sink.accept(message.subject, message.data)
 
-    names = [subjects.pool_kv_blocks(pool) for pool in pools] or [subjects.all_kv_blocks()]
-    return [await client.subscribe(name, cb=on_message, pending_msgs_limit=100_000)
-            for name in names]
+    subscriptions: list[Subscription] = []
+    try:
+        for name in names:
+            subscriptions.append(await js.subscribe(
+                name, stream=stream, cb=on_message, ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL, pending_msgs_limit=PENDING_MESSAGES))
+    except (NatsError, TimeoutError) as exc:
+        log.warning("cannot read the recording of KV block changes %s (%s: %s): the precise "
+                    "index learns from the live changes only", stream, type(exc).__name__, exc)
+        for subscription in subscriptions:
+            with contextlib.suppress(NatsError, TimeoutError):
+                await subscription.unsubscribe()
+        return None
+    log.info("KV block changes: reading %s from its start, then live", stream)
+    return subscriptions

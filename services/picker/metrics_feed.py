@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.picker.feeds import subscribe_each
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
 from shared.schemas import DecodeError, PodMetrics, decode
@@ -72,9 +72,5 @@ async def subscribe(client: Client, subjects: Subjects, sink: SnapshotSink,
     """Feed every snapshot of ``pools`` (empty: of every pool) published on NATS into
     ``sink``."""
 
-    async def on_message(message: Msg) -> None:
-        sink.accept(message.subject, message.data)
-
     names = [subjects.pool_metrics(pool) for pool in pools] or [subjects.all_metrics()]
-    return [await client.subscribe(name, cb=on_message, pending_msgs_limit=100_000)
-            for name in names]
+    return await subscribe_each(client, names, sink.accept)
