@@ -124,7 +124,9 @@ def running_fleet(nats_url: str, workdir: Path, sims: dict[str, SimulatedPods],
         stack.enter_context(kv_events_process(
             nats_url, None, events_port=f"+{EVENTS_OFFSET}", replay_port=f"+{REPLAY_OFFSET}"))
         served = [arg for pool in pools for arg in ("--pool", pool)]
-        picker = PickerProcess(served[1], nats_url, workdir,
+        # Snapshots count as fresh for 5 s: on a loaded machine the collector's may lag, and
+        # with none fresh the picker picks at random (not what this test is about).
+        picker = PickerProcess(served[1], nats_url, workdir, stale_after=5.0,
                                extra_args=(*served[2:], "--seed", "7", *picker_args))
         picker.start()
         stack.callback(picker.stop)
