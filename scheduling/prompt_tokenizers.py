@@ -191,9 +191,8 @@ class _Tokenizer:
         return ids
 
     def _cached(self, text: str) -> array.array[int] | None:
-        """Ids of ``text``, a long one in chunks (:data:`CHUNK_CHARS`) each through the cache."""
-        if len(text) <= CHUNK_CHARS:
-            return self._cached_piece(text)
+        """Ids of ``text``, a long one in chunks (:data:`CHUNK_CHARS`) each through the cache;
+        always a new array (callers may extend it; the cached ones stay as they are)."""
         ids = array.array("I")
         start = 0
         while start < len(text):

@@ -339,3 +339,14 @@ def test_hf_long_text_in_chunks_equals_whole(byte_level: HFTokenizer, words: lis
     text = " ".join(words)
     assert list(byte_level.prompt_token_ids(text, None) or ()) == \
         byte_level._tokenizer.encode(text).ids
+
+
+def test_returned_ids_are_the_callers_own(byte_level: HFTokenizer) -> None:
+    """Changing the ids a tokenizer returned does not change what it returns next time."""
+    for tokenizer in (SimTokenizer(), byte_level):
+        first = tokenizer.prompt_token_ids("hello there", None)
+        assert isinstance(first, array.array)
+        expected = list(first)
+        first.append(7)
+        first[0] = 1
+        assert list(tokenizer.prompt_token_ids("hello there", None) or ()) == expected
