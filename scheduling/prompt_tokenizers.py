@@ -34,6 +34,7 @@ import array
 import json
 import logging
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ BUILTIN_SIM = "builtin:lig-sim"
 BUILTINS = (BUILTIN_SIM,)
 DEFAULT_CACHE_TOKENS = 4_000_000  # 16 MB of token ids (4 bytes each) per pool
 DEFAULT_CACHE_ENTRIES = 65_536
+DEFAULT_MAX_TOKENS = 65_536  # the router looks up 2,048 blocks at most: 32 tokens each
 
 _hash128 = xxhash.xxh3_128_intdigest
 
@@ -163,8 +165,13 @@ def chat_turns(messages: object) -> list[tuple[str, Content]] | None:
 class _Tokenizer:
     """What every pool tokenizer shares: reading the request, token-id prompts, the cache."""
 
-    def __init__(self, cache: IdsCache | None = None) -> None:
+    def __init__(self, cache: IdsCache | None = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.cache = cache if cache is not None else IdsCache()
+        # Only a prompt's first blocks are looked up; tokenizing the rest of a huge prompt would
+        # hold the event loop for nothing. Cut pieces stop past this many tokens (whole-text
+        # tokenizers, which cannot stop early, are not bounded).
+        self.max_tokens = max_tokens
         self.refused = 0  # requests answered None (fallback to the approximate index)
 
     def prompt_token_ids(self, prompt: object, messages: object) -> Sequence[int] | None:
@@ -191,11 +198,17 @@ class _Tokenizer:
         return ids
 
     def _cached(self, text: str) -> array.array[int] | None:
-        """Ids of ``text``, a long one in chunks (:data:`CHUNK_CHARS`) each through the cache;
-        always a new array (callers may extend it; the cached ones stay as they are)."""
+        """Ids of ``text`` (see :meth:`_extend`); always a new array (callers may extend it;
+        the cached ones stay as they are)."""
         ids = array.array("I")
+        return ids if self._extend(ids, text) else None
+
+    def _extend(self, ids: array.array[int], text: str) -> bool:
+        """Append the ids of ``text`` to ``ids``, a long text in chunks (:data:`CHUNK_CHARS`),
+        each through the cache, until ``ids`` holds :attr:`max_tokens`; False when the text
+        cannot be tokenized."""
         start = 0
-        while start < len(text):
+        while start < len(text) and len(ids) < self.max_tokens:
             end = len(text)
             if end - start > CHUNK_CHARS:
                 cut = _CHUNK_CUT.search(text, start + CHUNK_CHARS)
@@ -203,10 +216,10 @@ class _Tokenizer:
                     end = cut.start()
             piece = self._cached_piece(text[start:end])
             if piece is None:
-                return None
+                return False
             ids += piece
             start = end
-        return ids
+        return True
 
     def _cached_piece(self, text: str) -> array.array[int] | None:
         key = _key(text)
@@ -231,8 +244,9 @@ class _Tokenizer:
 class SimTokenizer(_Tokenizer):
     """``builtin:lig-sim``: ``lig sim``'s tokenizer and chat template, cached per message."""
 
-    def __init__(self, cache: IdsCache | None = None) -> None:
-        super().__init__(cache)
+    def __init__(self, cache: IdsCache | None = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        super().__init__(cache, max_tokens)
         self._opening = array.array("I", sim.encode(sim.ASSISTANT_OPENING))
 
     def _encode_piece(self, text: str) -> array.array[int]:
@@ -244,10 +258,10 @@ class SimTokenizer(_Tokenizer):
     def _chat(self, turns: list[tuple[str, Content]]) -> array.array[int] | None:
         ids = array.array("I")
         for role, content in turns:
-            piece = self._cached(sim.render_turn(role, content_text(content)))
-            if piece is None:
+            if not self._extend(ids, sim.render_turn(role, content_text(content))):
                 return None
-            ids += piece
+            if len(ids) >= self.max_tokens:
+                return ids  # the turn may have been cut short: nothing after it
         ids += self._opening
         return ids
 
@@ -283,8 +297,9 @@ class HFTokenizer(_Tokenizer):
     """A Hugging Face ``tokenizers.Tokenizer`` and, for chat, its model's chat template."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, template: ChatTemplate | None,
-                 name: str = "", cache: IdsCache | None = None) -> None:
-        super().__init__(cache)
+                 name: str = "", cache: IdsCache | None = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        super().__init__(cache, max_tokens)
         tokenizer.no_truncation()  # the engine refuses an over-long prompt rather than cut it
         tokenizer.no_padding()
         self._tokenizer = tokenizer
@@ -329,6 +344,13 @@ class HFTokenizer(_Tokenizer):
     def _cutting_is_exact(self) -> bool:
         """Whether the cut and cached tokenization gives the tokenizer's own ids on the samples
         (chat samples rendered with the template, when there is one)."""
+        bound, self.max_tokens = self.max_tokens, sys.maxsize  # compare whole prompts
+        try:
+            return self._samples_match()
+        finally:
+            self.max_tokens = bound
+
+    def _samples_match(self) -> bool:
         specials = list(self._special_ids)[:3]
         texts = [*_SAMPLE_TEXTS, _SAMPLE_LONG, *(f"{text}{token}{text}" for token in specials
                                                  for text in (*_SAMPLE_TEXTS[:2], _SAMPLE_LONG))]
@@ -374,29 +396,25 @@ class HFTokenizer(_Tokenizer):
             piece_text = text[start:match.start()]
             if token in self._lstrip:
                 piece_text = piece_text.rstrip()
-            if piece_text:
-                piece = self._cached(piece_text)
-                if piece is None:
-                    return None
-                ids += piece
+            if not self._extend(ids, piece_text):
+                return None
+            if len(ids) >= self.max_tokens:
+                return ids  # the piece may have been cut short: nothing after it
             ids.append(self._special_ids[token])
             start = match.end()
             if token in self._rstrip:
                 while start < len(text) and text[start].isspace():
                     start += 1
-        if start < len(text):
-            piece = self._cached(text[start:])
-            if piece is None:
-                return None
-            ids += piece
-        return ids
+        return ids if self._extend(ids, text[start:]) else None
 
     def _cut_completion(self, text: str) -> array.array[int] | None:
         body = self._cut_ids(text)
         if body is None or self._around is None:
             return None
         before, after = self._around
-        return array.array("I", before) + body + array.array("I", after)
+        # A prompt cut short at max_tokens does not end here: nothing after it.
+        return array.array("I", before) + body + array.array(
+            "I", after if len(body) < self.max_tokens else ())
 
     def _whole(self, text: str, add_special_tokens: bool) -> array.array[int] | None:
         try:

@@ -350,3 +350,24 @@ def test_returned_ids_are_the_callers_own(byte_level: HFTokenizer) -> None:
         first.append(7)
         first[0] = 1
         assert list(tokenizer.prompt_token_ids("hello there", None) or ()) == expected
+
+
+def test_huge_prompts_are_tokenized_only_as_far_as_looked_up(byte_level: HFTokenizer) -> None:
+    """Past max_tokens the rest of a prompt is not tokenized: what is returned is the start of
+    the prompt's ids, exactly."""
+    import simulator.tokenizer as sim
+    huge = " ".join(["word", "caf\u00e9", "12345,", "water"] * 20_000)  # ~100,000 tokens
+    hf = HFTokenizer(byte_level._tokenizer, byte_level.template, max_tokens=1000)
+    ids = list(hf.prompt_token_ids(huge, None) or ())
+    assert 1000 <= len(ids) < 1500
+    assert ids == byte_level._tokenizer.encode(huge).ids[:len(ids)]
+    chat = [Message("system", huge), Message("user", "and then?")]
+    ids = list(hf.prompt_token_ids(None, chat) or ())
+    assert 1000 <= len(ids) < 1500
+    whole = byte_level._tokenizer.encode(_rendered(byte_level, chat), add_special_tokens=False)
+    assert ids == whole.ids[:len(ids)]
+    for turns in ([("system", huge), ("user", "and then?")], [("user", huge)]):
+        simulated = SimTokenizer(max_tokens=1000)
+        ids = list(simulated.prompt_token_ids(None, [Message(*turn) for turn in turns]) or ())
+        assert 1000 <= len(ids) < 1500
+        assert ids == list(sim.encode(sim.render_chat(turns)))[:len(ids)]
