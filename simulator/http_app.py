@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
+from scheduling.token_blocks import PromptTokenizer
 from shared.kv_events import Encoding
 from simulator import tokenizer
 from simulator.engine import (
@@ -97,6 +98,7 @@ class PodSettings(msgspec.Struct, frozen=True):
     faults: Faults = Faults()
     kv_events: KVEventsConfig = KVEventsConfig()
     kv_events_encoding: Encoding = "map"
+    tokenizer: str | None = None  # --tokenizer (None: simulator/tokenizer.py)
 
 
 class KVEventFault(msgspec.Struct, frozen=True):
@@ -112,8 +114,10 @@ Route = Callable[[HttpRequest], Awaitable[Response | StreamResponse]]
 class SimulatedPod:
     """An engine, its real-time runner, its metrics page and its HTTP routes."""
 
-    def __init__(self, settings: PodSettings) -> None:
+    def __init__(self, settings: PodSettings,
+                 prompt_tokenizer: PromptTokenizer | None = None) -> None:
         self.settings = settings
+        self._prompt_tokenizer = prompt_tokenizer  # settings.tokenizer, loaded
         config = settings.engine
         self.clock = PacedClock(settings.time_scale)
         self.engine = Engine(config, self.clock, engine_rng(settings.seed, settings.index))
@@ -249,7 +253,8 @@ class SimulatedPod:
         if self.faults.gray == "hang":
             await self._ungray.wait()  # what the metrics say stays true: nothing runs
         try:
-            call = parse_completion(http.body, chat, self.settings.engine.model)
+            call = parse_completion(http.body, chat, self.settings.engine.model,
+                                    self._prompt_tokenizer)
             if call.model not in self._models:
                 raise ApiError(404, f"The model `{call.model}` does not exist.")
             if self.faults.gray == "error":

@@ -12,6 +12,7 @@ import logging
 
 import msgspec
 
+from scheduling.prompt_tokenizers import load_prompt_tokenizer
 from shared.kv_events import ENCODINGS
 from shared.logs import add_logging_arguments, setup_logging
 from shared.service import run_service
@@ -87,6 +88,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="event encoding: map (tagged with \"type\", vLLM since mid-2026) or array "
         "(positional, vLLM up to 0.23)",
     )
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="PATH",
+        help="tokenize prompts with this Hugging Face tokenizer.json (or its directory; chat "
+        "with the chat template of the tokenizer_config.json or chat_template.jinja beside "
+        "it), as vLLM does, instead of the built-in tokenizer (lig picker's builtin:lig-sim); "
+        "generated tokens keep the built-in's ids. Requests it cannot tokenize exactly "
+        "(non-text content, chat without a template) get a 400",
+    )
     add_logging_arguments(parser)
 
 
@@ -141,6 +150,7 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
             faults=gray_faults if index in gray else faults,
             kv_events=kv_events,
             kv_events_encoding=args.kv_events_encoding,
+            tokenizer=args.tokenizer,
         )
         for index in range(args.pods)
     ]
@@ -151,12 +161,14 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("sim", args.log_level)
     try:
         pods_settings = settings_from_args(args)
-    except ValueError as error:
+        prompt_tokenizer = (load_prompt_tokenizer(args.tokenizer)
+                            if args.tokenizer is not None else None)
+    except ValueError as error:  # TokenizerLoadError included
         log.error("invalid settings: %s", error)
         return 2
 
     async def main(stop: asyncio.Event) -> int:
-        pods = [SimulatedPod(settings) for settings in pods_settings]
+        pods = [SimulatedPod(settings, prompt_tokenizer) for settings in pods_settings]
         try:
             for index, pod in enumerate(pods):
                 await pod.start(args.host, args.base_port + index)

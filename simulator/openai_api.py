@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from scheduling.prompt import CompletionPrompt, Message
+from scheduling.token_blocks import PromptTokenizer
 from simulator import tokenizer
 
 _ERROR_TYPES = {
@@ -65,8 +67,18 @@ class CompletionCall(msgspec.Struct, frozen=True):
     include_usage: bool
 
 
-def parse_completion(body: bytes, chat: bool, default_model: str) -> CompletionCall:
-    """Validate a completion body; raises ``ApiError`` (400) saying what is wrong."""
+class _PromptFields(msgspec.Struct):
+    """The prompt as a ``PromptTokenizer`` reads it (the picker's own types)."""
+
+    prompt: CompletionPrompt | None = None
+    messages: list[Message] | None = None
+
+
+def parse_completion(body: bytes, chat: bool, default_model: str,
+                     prompt_tokenizer: PromptTokenizer | None = None) -> CompletionCall:
+    """Validate a completion body; raises ``ApiError`` (400) saying what is wrong. The prompt's
+    token ids are the built-in tokenizer's, or ``prompt_tokenizer``'s (``lig sim --tokenizer``)
+    once the body is valid."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as error:
@@ -99,6 +111,8 @@ def parse_completion(body: bytes, chat: bool, default_model: str) -> CompletionC
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object")
     include_usage = bool(options and options.get("include_usage"))
+    if prompt_tokenizer is not None:
+        prompt = _tokenized(data, chat, prompt_tokenizer)
     return CompletionCall(
         chat=chat,
         model=model,
@@ -119,6 +133,21 @@ def _completion_prompt(prompt: Any) -> tuple[int, ...]:
     if isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, "the simulator serves one prompt per request")
     raise ApiError(400, "prompt must be a string or a list of token ids")
+
+
+def _tokenized(data: dict[str, Any], chat: bool,
+               prompt_tokenizer: PromptTokenizer) -> tuple[int, ...]:
+    """The prompt's token ids by ``prompt_tokenizer`` (the body was validated already)."""
+    try:
+        fields = msgspec.convert(data, _PromptFields)
+    except msgspec.ValidationError as error:
+        raise ApiError(400, f"prompt: {error}") from None
+    ids = prompt_tokenizer.prompt_token_ids(None if chat else fields.prompt,
+                                            fields.messages if chat else None)
+    if ids is None:
+        raise ApiError(400, "the prompt cannot be tokenized by --tokenizer (non-text content, "
+                            "or chat without a chat template)")
+    return tuple(ids)
 
 
 def _is_token(item: Any) -> bool:

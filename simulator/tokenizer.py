@@ -63,10 +63,21 @@ def encode(text: str) -> tuple[int, ...]:
     return tuple(zlib.crc32(piece.encode()) % VOCAB_SIZE for piece in _PIECE.findall(text))
 
 
+# Opens the assistant's turn at the end of every chat prompt.
+ASSISTANT_OPENING = "<|start|>assistant\n"
+
+
+def render_turn(role: str, content: str) -> str:
+    """One message of the chat template. Every turn starts with a symbol and ends with a
+    newline, and no piece spans whitespace or a symbol, so a chat's token ids are the
+    concatenation of its turns' (what lets a router cache them per message)."""
+    return f"<|start|>{role}\n{content}<|end|>\n"
+
+
 def render_chat(messages: Sequence[tuple[str, str]]) -> str:
     """The prompt for (role, content) messages, ending with the assistant's turn opening."""
-    parts = [f"<|start|>{role}\n{content}<|end|>\n" for role, content in messages]
-    parts.append("<|start|>assistant\n")
+    parts = [render_turn(role, content) for role, content in messages]
+    parts.append(ASSISTANT_OPENING)
     return "".join(parts)
 
 

@@ -1,11 +1,11 @@
 """The precise prefix index end to end: ``lig sim`` pods publishing KV-cache events on ZMQ,
 ``lig kv-events`` republishing them on a real nats-server, and the picker's side reading them.
 
-Routing by exact cache contents needs the pool's tokenizer, which ``lig picker`` gets from the
-tokenizer work of issue 16 (not merged here): the first test runs the picker's own feed and
-router in this process with the simulator's tokenizer (``tests/support/sim_tokenizer.py``); the
-second runs ``lig picker`` itself and checks through its metrics that its index holds exactly
-the blocks the pods announced.
+The first test runs the picker's own feed and router in this process with the simulator's
+tokenizer (``builtin:lig-sim``, ``scheduling/prompt_tokenizers.py``); the second runs
+``lig picker`` itself and checks through its metrics that its index holds exactly the blocks
+the pods announced. ``tests/test_precise_routing_e2e.py`` routes through Envoy with
+``lig picker --tokenizer``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from scheduling.precise_index import PreciseIndex
+from scheduling.prompt_tokenizers import SimTokenizer
 from scheduling.token_blocks import block_keys, root_key
 from services.picker.kv_blocks_feed import KVBlocksSink, subscribe
 from services.picker.routing import Routed, Router
@@ -34,7 +35,6 @@ from shared.subjects import Subjects
 from simulator import tokenizer
 from tests.support.collector import pod
 from tests.support.picker import PickerProcess
-from tests.support.sim_tokenizer import SimTokenizer
 from tests.support.waiting import eventually
 from tests.test_kv_events_e2e import EventPods, kv_events_process, output, register
 

@@ -10,13 +10,13 @@ import pytest
 
 from scheduling.prefix_hash import prefix_hashes
 from scheduling.prompt import Message, chat_prompt
+from scheduling.prompt_tokenizers import SimTokenizer
 from scheduling.token_blocks import block_keys, root_key
 from services.picker.kv_blocks_feed import KVBlocksSink
 from services.picker.routing import RequestFields
 from shared.kv_blocks import KVBlockChanges, encode
 from shared.kv_events import BlockStored
 from shared.schemas import Criticality
-from tests.support.sim_tokenizer import SimTokenizer
 from tests.test_picker_prompt_routing import SYSTEM, chat, prefix_fleet, routed
 from tests.test_picker_routing import POOL, Fleet
 

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
+from scheduling.prompt_tokenizers import TokenizerLoadError, load_pool_tokenizers
+from scheduling.token_blocks import PromptTokenizer
 from services.picker.gray_pods import GrayPods
 from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import DecisionCallback, RecordCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
+from shared.host.errors import ConfigError
 
 
 class CoreHooks(msgspec.Struct, frozen=True):
@@ -36,14 +39,25 @@ class CoreHooks(msgspec.Struct, frozen=True):
     on_conflicts: Callable[[int], None] = lambda count: None
 
 
+def load_tokenizers(settings: PickerSettings) -> dict[str, PromptTokenizer]:
+    """The pools' tokenizers of ``--tokenizer``; one that cannot be loaded raises
+    :class:`ConfigError` (exit 2) naming the flag, the pool and the file."""
+    try:
+        return load_pool_tokenizers(settings.tokenizer_specs)
+    except TokenizerLoadError as error:
+        raise ConfigError(f"--tokenizer (env LIG_TOKENIZER): {error}") from None
+
+
 def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic, hooks: CoreHooks | None = None,
                   on_decision: DecisionCallback | None = None,
-                  picker_id: str = "", on_record: RecordCallback | None = None) -> Gateway:
+                  picker_id: str = "", on_record: RecordCallback | None = None,
+                  tokenizers: Mapping[str, PromptTokenizer] | None = None) -> Gateway:
     """The decision core over ``settings.pools`` (empty: every pool of the registry), with the
     settings' staleness, load estimate, gray-pod, fallback and unknown-model behaviour.
 
-    ``rng`` defaults to one seeded with ``settings.seed``.
+    ``rng`` defaults to one seeded with ``settings.seed``; ``tokenizers`` (pool -> tokenizer,
+    for precise prefix routing) to those of ``settings.tokenizers``.
     ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench).
     ``on_decision(pool, event)`` receives the core's own routed/finished/shed events for the
     decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
@@ -53,16 +67,21 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
     """
     hooks = hooks if hooks is not None else CoreHooks()
     rng = rng if rng is not None else random.Random(settings.seed)
+    tokenizers = tokenizers if tokenizers is not None else load_tokenizers(settings)
 
     def make_router(pool: str) -> Router:
         pods = PodTable(settings.stale_after, clock=clock, load_estimate=settings.load_estimate,
                         gray=GrayPods(settings.gray_after, settings.outcome_sample,
                                       on_exclude=hooks.on_gray_exclusion))
-        return Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
-                      fallbacks=settings.fallbacks,
-                      prefix_entries=settings.prefix_index_entries,
-                      precise_blocks=settings.precise_blocks,
-                      speculative_ttl=settings.speculative_ttl, clock=clock)
+        router = Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
+                        fallbacks=settings.fallbacks,
+                        prefix_entries=settings.prefix_index_entries,
+                        precise_blocks=settings.precise_blocks,
+                        speculative_ttl=settings.speculative_ttl, clock=clock)
+        # None: the router logs once, when the pool's pods publish KV events, that it uses
+        # the approximate index.
+        router.tokenizer = tokenizers.get(pool)
+        return router
 
     unknown = UnknownModels(reject=settings.reject_unknown_models,
                             default_pool=settings.default_pool)

@@ -13,6 +13,7 @@ import gc
 from prometheus_client import CollectorRegistry
 
 from services.picker.app import serve, tune_process
+from services.picker.core import load_tokenizers
 from services.picker.settings import PickerSettings
 from services.picker.tls import check_tls_files
 from services.picker.workers import supervise
@@ -27,11 +28,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> PickerSettings:
-    """Validated settings: flags, else ``LIG_*`` variables, else defaults; wrong TLS files fail
-    here, before any worker starts."""
+    """Validated settings: flags, else ``LIG_*`` variables, else defaults; wrong TLS or
+    tokenizer files fail here, before any worker starts."""
     settings: PickerSettings = from_args(PickerSettings, args)
     if settings.tls is not None:
         check_tls_files(settings.tls)
+    # Loaded here only to fail (exit 2) before any worker starts; each process loads its own.
+    load_tokenizers(settings)
     return settings
 
 

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from scheduling.precise_index import DEFAULT_SPECULATIVE_TTL
+from scheduling.prompt_tokenizers import parse_pool_specs
 from services.picker.batch_sender import DEFAULT_DELAY
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
 from services.picker.routing import DEFAULT_PRECISE_BLOCKS, DEFAULT_PREFIX_ENTRIES
@@ -104,6 +105,15 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "before the pod's events confirm them (they count up to 1.5 times that), so that a burst "
         "of one prefix does not miss meanwhile; 0 disables", metavar="SECONDS", ge=0)] \
         = DEFAULT_SPECULATIVE_TTL
+    tokenizers: Annotated[list[str], option(
+        "POOL=SPEC: the tokenizer of a pool's model, so that the precise prefix index (fed by "
+        "the pods' KV-cache events) can look requests up by their token ids; repeat for several "
+        "pools (comma-separated in the environment). SPEC is a Hugging Face tokenizer.json on "
+        "this picker's disk (or its directory; the chat template comes from the "
+        "tokenizer_config.json or chat_template.jinja beside it) or builtin:lig-sim (lig sim's "
+        "tokenizer). A pool without one uses the approximate prefix index. A file that cannot "
+        "be loaded stops the picker at startup (exit 2)", flag="--tokenizer",
+        metavar="POOL=SPEC")] = []
     # The decision stream (issue 11, docs/decision-stream.md).
     shared_decisions: Annotated[bool, option(
         "share routing decisions with the other picker replicas over NATS "
@@ -151,10 +161,24 @@ class PickerSettings(msgspec.Struct, frozen=True):
                 and self.default_pool not in self.pools):
             raise ValueError(f"--default-pool (env LIG_DEFAULT_POOL) {self.default_pool} is not "
                              f"one of the pools served (--pool {' --pool '.join(self.pools)})")
+        try:
+            specs = parse_pool_specs(self.tokenizers)
+        except ValueError as error:
+            raise ValueError(f"--tokenizer (env LIG_TOKENIZER): {error}") from None
+        unserved = [pool for pool in specs if self.pools and pool not in self.pools]
+        if unserved:
+            raise ValueError(f"--tokenizer (env LIG_TOKENIZER) names pool {unserved[0]}, which "
+                             f"is not one of the pools served "
+                             f"(--pool {' --pool '.join(self.pools)})")
         if (self.tls_cert or self.tls_key or self.tls_client_ca) and not (
                 self.tls_cert and self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key (env LIG_TLS_CERT and "
                              "LIG_TLS_KEY)")
+
+    @property
+    def tokenizer_specs(self) -> dict[str, str]:
+        """``--tokenizer`` as pool -> spec (checked when the settings were built)."""
+        return parse_pool_specs(self.tokenizers)
 
     @property
     def tls(self) -> TlsFiles | None:

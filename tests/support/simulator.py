@@ -69,8 +69,11 @@ class SimulatedPods:
         model: str = "sim-model",
         seed: int = 0,
         extra_args: Sequence[str] = (),
+        port_args: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         self.count = count
+        # More flags that depend on the first pod's port (e.g. ports at a fixed offset from it).
+        self._port_args = port_args
         self.model = model
         self.loras = tuple(loras)
         self.time_scale = time_scale
@@ -110,7 +113,8 @@ class SimulatedPods:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - outlives this call; closed on exit
         self._process = subprocess.Popen(
             [sys.executable, "-m", "lig.cli", "sim", "--host", "127.0.0.1",
-             "--base-port", str(base), *self._args],
+             "--base-port", str(base), *self._args,
+             *(self._port_args(base) if self._port_args is not None else ())],
             cwd=REPO_ROOT,
             env=os.environ | {"PYTHONPATH": str(REPO_ROOT)},
             stdout=self._log,
