@@ -4,9 +4,11 @@ stood when each was recorded.
 Pickers publish :class:`~scheduling.record.RecordBatch` messages on ``<prefix>.records.<pool>``;
 ``lig record`` stores them as DECISION frames named ``records.<pool>``, beside the decision
 stream's ``decisions.<pool>`` frames (not read here). The file is streamed: memory is bounded by
-the registry's size and one batch, whatever the file's length. A batch that does not decode (a
-newer schema, a foreign message) is counted and logged, not fatal; a truncated or corrupt file
-raises :class:`~recording.fileformat.RecordingError` where it is reached.
+the registry's size (with a few revisions per pool key) and one batch, whatever the file's
+length. :func:`read_records` decodes every record; :func:`find_records` only those of one
+request id. A batch or record that does not decode (a newer schema, a foreign message) is
+counted and logged, not fatal; a truncated or corrupt file raises
+:class:`~recording.fileformat.RecordingError` where it is reached.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ log = logging.getLogger("lig.records")
 
 POOL_PREFIX = "pool."  # registry keys of InferencePools (shared.subjects.pool_key)
 RECORDS_NAME = "records."  # frame names of record batches: the subject without the prefix
+MAX_PREFIX_BLOCKS = 1 << 16  # far above any picker's hashed blocks: a larger count is garbage
+POOL_HISTORY = 16  # revisions kept per pool key: records trail a registry change by milliseconds
 _batch_decoder = msgspec.msgpack.Decoder(RecordBatch)
 _pool_decoder = msgspec.msgpack.Decoder(InferencePool)
 
@@ -41,10 +45,6 @@ class ReadCounts(msgspec.Struct):
     # (values no picker records).
     undecodable: int = 0
     other_pool: int = 0  # batches of pools the caller did not ask for
-
-
-MAX_PREFIX_BLOCKS = 1 << 16  # far above any picker's hashed blocks: a larger count is garbage
-POOL_HISTORY = 16  # revisions kept per pool key: records trail a registry change by milliseconds
 
 
 PolicyTag = tuple[str, bytes]
