@@ -216,17 +216,18 @@ def test_the_endpoint_picker_protocol_path_records_id_served_pod_status_and_usag
     assert outcome.ttfb_ms is not None
 
 
-@pytest.mark.parametrize(("content_type", "mode"), [(b"application/json", BUFFERED),
-                                                     (b"text/event-stream", STREAMED)])
+@pytest.mark.parametrize(("content_type", "mode", "model"), [
+    (b"application/json", BUFFERED, "premium"), (b"text/event-stream", STREAMED, "premium"),
+    (b"application/json", BUFFERED, "chat")])  # chat is rewritten to chat-v2
 def test_record_responses_asks_envoy_for_the_response_it_reads_usage_from(
-        content_type: bytes, mode: int) -> None:
+        content_type: bytes, mode: int, model: str) -> None:
     processor, records = recording_processor(record_responses=True)
     exchange = Exchange(processor)
     request = headers_message(BUFFERED, {epp.REQUEST_ID_HEADER: "r-1"})
     request.protocol_config.response_body_mode = NONE  # as the shipped bootstrap asks
     (answer,) = exchange.handle(request)
     assert answer.mode_override.response_header_mode == Mode.SEND
-    exchange.handle(body_message(b'{"model": "premium"}', True))  # not rewritten
+    exchange.handle(body_message(b'{"model": "%s"}' % model.encode(), True))
     (reply,) = exchange.handle(response_headers(b"201", content_type))
     assert reply.mode_override.response_body_mode == mode
     usage = b'{"usage": {"prompt_tokens": 2, "completion_tokens": 3}}'
@@ -237,3 +238,6 @@ def test_record_responses_asks_envoy_for_the_response_it_reads_usage_from(
     outcome = records[-1]
     assert isinstance(outcome, OutcomeRecord)
     assert (outcome.request_id, outcome.status, outcome.completion_tokens) == ("r-1", 201, 3)
+    # The tokens metric counts a rewritten response on the response-rewrite filter's stream.
+    counted = processor.metrics.tokens.labels(model, "completion")._value.get()
+    assert counted == (0 if model == "chat" else 3)
