@@ -150,6 +150,9 @@ async def test_by_default_every_decision_and_its_end_are_recorded(
                 "model": MODEL, "prompt": "hi", "max_tokens": 3})
             assert response.status_code == 200
             ids.append(response.headers["x-request-id"])
+        refused = await client.post("/v1/completions", content=b"{not json")
+    # The picker's own answers carry the id too (nothing is recorded for a 400).
+    assert refused.status_code == 400 and refused.headers["x-request-id"]
     for request_id in ids:
         decision, outcome = await records.wait_for(request_id)
         assert outcome.served == decision.pick and outcome.duration_ms > 0
