@@ -74,11 +74,11 @@ def measure(pods: int, requests: int) -> tuple[float, float, float, float]:
         assert isinstance(routed, Routed)
         built.started(routed)
         built.finished(routed, 12, 64, ResponseSeen(200, routed.decided_ns + number))
-    decisions = [r for r in records if isinstance(r, DecisionRecord)]
+    decisions: list[Record] = [r for r in records if isinstance(r, DecisionRecord)]
     outcomes: list[Record] = [r for r in records if isinstance(r, OutcomeRecord)]
     wire = file = 0
     for start in range(0, len(decisions), BATCH):
-        payload = encode(RecordBatch("picker-1", POOL, 1, list(decisions[start:start + BATCH])))
+        payload = encode(RecordBatch("picker-1", POOL, 1, decisions[start:start + BATCH]))
         wire += len(payload)
         file += len(zlib.compress(payload, 6))
     outcome_wire = sum(len(encode(RecordBatch("picker-1", POOL, 1, outcomes[s:s + BATCH])))

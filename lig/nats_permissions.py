@@ -9,7 +9,7 @@ What each service may do (``P`` is the subject prefix, ``B`` the registry bucket
 | collector | ``P.metrics.>``, ``P.collectors.>`` | ``P.collectors.*`` | manages ``S``; reads KV |
 | kv-events | ``P.kvblocks.>``, ``P.kvevents.>`` | ``P.kvevents.*`` | manages ``P_KVBLOCKS``; KV |
 | picker | ``P.decisions.>``, ``P.records.>`` | ``P.{metrics,kvblocks,decisions}.>`` | ``KV_B`` (1)|
-| status | nothing | ``P.metrics.>``, ``P.kvblocks.>``, ``P.collectors.*`` | reads all three |
+| status | nothing | ``P.{metrics,kvblocks,records}.>``, ``P.collectors.*`` | reads all three |
 | replay | everything above, under its own prefix only | same | same, on its own bucket/stream |
 
 (1) and reads ``P_KVBLOCKS`` (the precise prefix index's history at start).
@@ -124,7 +124,7 @@ def service_permissions(service: str, subjects: Subjects, replay: Subjects) -> P
         publish = [*_read_stream(bucket), *_recordings(subjects, _read_stream),
                    *_read_stream(subjects.kv_blocks_stream)]
         subscribe = [subjects.all_metrics(), subjects.all_kv_blocks(),
-                     subjects.all_collector_heartbeats()]
+                     subjects.all_collector_heartbeats(), records(subjects)]
     elif service == "replay":
         # Everything the producing services may do, but only under the replay prefix.
         parts = [service_permissions(name, replay, replay)

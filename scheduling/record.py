@@ -51,10 +51,13 @@ class DecisionRecord(msgspec.Struct, frozen=True, array_like=True, tag="d"):
 class OutcomeRecord(msgspec.Struct, frozen=True, array_like=True, tag="o"):
     """How a routed request ended, as the picker saw its response.
 
-    ``served`` is the endpoint that answered (the pick, or a fallback Envoy moved to);
-    ``status`` the HTTP status (0: the stream ended before a response); ``ttfb_ms`` the time
-    from the decision to the response's first body byte (None: no body); ``duration_ms`` from
-    the decision to the end; token counts from the response's usage (None: not reported).
+    ``served`` is the pod that answered, by name (the pick, or a fallback Envoy moved to);
+    ``status`` the HTTP status (0: the picker did not see the response's headers: the stream
+    ended before a response, or, without ``lig picker --record-responses``, the response was not
+    one the gray-pod guard sampled); ``ttfb_ms`` the time from the decision to the response's
+    first body byte (None: no body seen); ``duration_ms`` from the decision to the end; token
+    counts from the response's usage (None: not reported or not seen). docs/recording.md,
+    "Decision records", says when the picker sees what.
     """
 
     request_id: str

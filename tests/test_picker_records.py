@@ -3,6 +3,7 @@ the draw that replays its pick, and the OutcomeRecord of a request that ended.""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import msgspec
@@ -14,6 +15,7 @@ from scheduling import build_policy
 from scheduling.record import DecisionRecord, OutcomeRecord, Record, RecordBatch
 from scheduling.types import SchedulingRequest
 from services.picker import epp
+from services.picker.app import build_gateway, decision_publisher
 from services.picker.ext_proc import (
     BUFFERED,
     DUPLEX,
@@ -23,6 +25,7 @@ from services.picker.ext_proc import (
     Mode,
     Processor,
 )
+from services.picker.main import configure, settings_from
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway, ResponseSeen
 from services.picker.routing import Rejected, Routed
@@ -35,6 +38,7 @@ from shared.schemas import (
     decode,
     encode,
 )
+from shared.subjects import Subjects
 from tests.test_picker_epp_units import HEADER, body_message, headers_message, make_processor
 from tests.test_picker_routing import POOL, Fleet
 
@@ -216,17 +220,18 @@ def test_the_endpoint_picker_protocol_path_records_id_served_pod_status_and_usag
     assert outcome.ttfb_ms is not None
 
 
-@pytest.mark.parametrize(("content_type", "mode"), [(b"application/json", BUFFERED),
-                                                     (b"text/event-stream", STREAMED)])
+@pytest.mark.parametrize(("content_type", "mode", "model"), [
+    (b"application/json", BUFFERED, "premium"), (b"text/event-stream", STREAMED, "premium"),
+    (b"application/json", BUFFERED, "chat")])  # chat is rewritten to chat-v2
 def test_record_responses_asks_envoy_for_the_response_it_reads_usage_from(
-        content_type: bytes, mode: int) -> None:
+        content_type: bytes, mode: int, model: str) -> None:
     processor, records = recording_processor(record_responses=True)
     exchange = Exchange(processor)
     request = headers_message(BUFFERED, {epp.REQUEST_ID_HEADER: "r-1"})
     request.protocol_config.response_body_mode = NONE  # as the shipped bootstrap asks
     (answer,) = exchange.handle(request)
     assert answer.mode_override.response_header_mode == Mode.SEND
-    exchange.handle(body_message(b'{"model": "premium"}', True))  # not rewritten
+    exchange.handle(body_message(b'{"model": "%s"}' % model.encode(), True))
     (reply,) = exchange.handle(response_headers(b"201", content_type))
     assert reply.mode_override.response_body_mode == mode
     usage = b'{"usage": {"prompt_tokens": 2, "completion_tokens": 3}}'
@@ -237,3 +242,31 @@ def test_record_responses_asks_envoy_for_the_response_it_reads_usage_from(
     outcome = records[-1]
     assert isinstance(outcome, OutcomeRecord)
     assert (outcome.request_id, outcome.status, outcome.completion_tokens) == ("r-1", 201, 3)
+    # The tokens metric counts a rewritten response on the response-rewrite filter's stream.
+    counted = processor.metrics.tokens.labels(model, "completion")._value.get()
+    assert counted == (0 if model == "chat" else 3)
+
+
+@pytest.mark.parametrize(("argv", "env", "recording"), [
+    ([], None, True), (["--no-record-decisions"], None, False), ([], "0", False),
+    (["--record-decisions"], "0", True), (["--workers", "2", "--no-record-decisions"], None,
+                                          False)])
+def test_records_are_on_by_default_and_turned_off_by_flag_or_env(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], env: str | None,
+        recording: bool) -> None:
+    if env is None:
+        monkeypatch.delenv("LIG_RECORD_DECISIONS", raising=False)
+    else:
+        monkeypatch.setenv("LIG_RECORD_DECISIONS", env)
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    settings = settings_from(parser.parse_args([*argv, "--pool", POOL, "--shared-decisions"]))
+    metrics = PickerMetrics(CollectorRegistry())
+    publishing = decision_publisher(settings, Subjects(), metrics)
+    assert publishing is not None and publishing.decisions is not None
+    assert (publishing.records is not None) is recording
+    gateway = build_gateway(settings, metrics, publishing)
+    assert gateway.on_record is publishing.records
+    both_off = settings_from(parser.parse_args(["--pool", POOL, "--no-shared-decisions",
+                                                "--no-record-decisions"]))
+    assert decision_publisher(both_off, Subjects(), metrics) is None

@@ -27,6 +27,7 @@ from tests.support.simulator import SimulatedPods
 
 POOL = "pool-1"
 MODEL = "sim-model"
+ALIAS = "alias"  # rewritten to MODEL: its response passes the response-rewrite filter too
 IDLE = {"waiting": 0, "running": 0, "kv_cache_usage": 0.05}
 
 
@@ -38,6 +39,7 @@ class Stack:
         self.feed = FleetFeed(nats.url, POOL, interval=0.1).start()
         self.feed.set_pool()
         self.feed.set_model(MODEL)
+        self.feed.set_model(ALIAS, target_models=[{"name": MODEL, "weight": 1}])
         self.names = {f"pod-{i}": self.pods.address(i) for i in range(2)}
         self.feed.set_endpoints(self.names)
         self.feed.set_many({name: (address, dict(IDLE)) for name, address in self.names.items()})
@@ -107,7 +109,9 @@ async def test_the_client_gets_the_request_id_and_the_records_carry_it(
                                 headers={"x-request-id": "my-own-id-42"})
         streamed = await client.post("/v1/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}})
+        aliased = await client.post("/v1/completions", json={**body, "model": ALIAS})
     assert response.status_code == own.status_code == streamed.status_code == 200
+    assert aliased.status_code == 200 and aliased.json()["model"] == ALIAS
     request_id = response.headers["x-request-id"]
     assert len(request_id) >= 32  # Envoy generated one (a UUID)
     assert own.headers["x-request-id"] == "my-own-id-42"  # a client's id is kept
@@ -129,6 +133,9 @@ async def test_the_client_gets_the_request_id_and_the_records_carry_it(
     decision, outcome = await records.wait_for(stream_id)
     assert outcome.status == 200 and outcome.ttfb_ms is not None
     assert outcome.completion_tokens == streamed_usage["completion_tokens"]
+    decision, outcome = await records.wait_for(aliased.headers["x-request-id"])
+    assert (decision.model, decision.target_model, outcome.status) == (ALIAS, MODEL, 200)
+    assert outcome.completion_tokens == aliased.json()["usage"]["completion_tokens"]
     assert len(records.pickers) == 1
 
 
@@ -143,6 +150,9 @@ async def test_by_default_every_decision_and_its_end_are_recorded(
                 "model": MODEL, "prompt": "hi", "max_tokens": 3})
             assert response.status_code == 200
             ids.append(response.headers["x-request-id"])
+        refused = await client.post("/v1/completions", content=b"{not json")
+    # The picker's own answers carry the id too (nothing is recorded for a 400).
+    assert refused.status_code == 400 and refused.headers["x-request-id"]
     for request_id in ids:
         decision, outcome = await records.wait_for(request_id)
         assert outcome.served == decision.pick and outcome.duration_ms > 0

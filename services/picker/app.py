@@ -85,15 +85,16 @@ def build_gateway(settings: PickerSettings, metrics: PickerMetrics,
     """The decision core over the served pools (:mod:`services.picker.core`, also what
     ``lig bench`` runs), reporting to the picker's metrics; ``publishing`` publishes its
     decisions and records (None: neither)."""
-    decisions = publishing.decisions if publishing is not None else None
+    decisions = records = None
+    picker_id = ""
+    if publishing is not None:
+        decisions, records = publishing.decisions, publishing.records
+        picker_id = publishing.picker_id if decisions is not None else ""
     return core.build_gateway(settings, hooks=core.CoreHooks(
         on_gray_exclusion=lambda pod, reason: metrics.gray_exclusions.labels(pod, reason).inc(),
         on_all_stale=metrics.all_stale.inc,
         on_conflicts=metrics.model_conflicts.set),
-        on_decision=decisions,
-        picker_id=publishing.picker_id if publishing is not None and decisions is not None
-        else "",
-        on_record=publishing.records if publishing is not None else None)
+        on_decision=decisions, picker_id=picker_id, on_record=records)
 
 
 def decision_publisher(settings: PickerSettings, subjects: Subjects,

@@ -222,7 +222,7 @@ class Exchange:
     __slots__ = ("_chunks", "_held_bytes", "_held_chunks", "_hold_headers", "_objective", "_p",
                  "_reports_status", "_request_id", "_request_mode", "_response_buffered",
                  "_response_mode", "_rewrite_to", "_rewriter", "_seen", "_served_seen",
-                 "_subset", "routed")
+                 "_subset", "_tokens_counted_elsewhere", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
@@ -242,6 +242,9 @@ class Exchange:
         self._served_seen = False
         self._request_id = ""  # Envoy's x-request-id, when recording
         self._seen: ResponseSeen | None = None  # what passed of the response, when recording
+        # The response-rewrite filter's own stream counts this response's tokens in the metrics
+        # (this stream reads them only for the outcome record).
+        self._tokens_counted_elsewhere = False
 
     def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
         """The answers to ``message`` (none while its answer must wait for more body)."""
@@ -285,7 +288,7 @@ class Exchange:
                                          self._seen)
             else:
                 self._p.gateway.finished(routed, response=self._seen)
-        if usage is not None:
+        if usage is not None and not self._tokens_counted_elsewhere:
             if routed is not None:
                 self._p.metrics.count_tokens(routed.model, routed.registered, usage)
             elif self._rewrite_to is not None:  # only registered models are rewritten
@@ -439,8 +442,7 @@ class Exchange:
             self._reports_status = False
             if self.routed is not None:
                 self._p.gateway.responded(self.routed, _status(headers))
-                if (self._p.record_responses and not headers.end_of_stream
-                        and self._rewrite_to is None and self._response_mode == NONE):
+                if self._p.record_responses and not headers.end_of_stream:
                     return (self._read_response(headers),)
             return (self._p.response_headers_continue,)  # the rewrite filters do the rest
         rewrite_to = self._rewrite_to
@@ -470,9 +472,11 @@ class Exchange:
 
     def _read_response(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
         """``--record-responses``: ask for the body (BUFFERED JSON, STREAMED events) to read its
-        usage and first byte; nothing of it is changed."""
+        usage and first byte; nothing of it is changed (a rewritten model name is put back by
+        the response-rewrite filters, whose stream also counts the tokens)."""
         sse = _is_event_stream(headers)
         self._rewriter = ResponseRewriter(None, sse)
+        self._tokens_counted_elsewhere = self._rewrite_to is not None
         reply = pb.ProcessingResponse()
         reply.response_headers.response.SetInParent()
         reply.mode_override.request_body_mode = self._request_mode
