@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from scheduling_bench.results import RunMetrics
 from shared.schemas import EndpointSet, decode
 from shared.subjects import Subjects, endpoints_key
+from tests.support.lig_up import lig_up
 from tests.test_recording_e2e import lig, metric
 
 pytestmark = pytest.mark.timeout(300)
@@ -132,8 +133,6 @@ async def traffic(gateway: str, addresses: list[str]) -> list[Sent]:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
     """Run ``lig up``, send the traffic, export the window covering all of it."""
-    from tests.support.lig_up import lig_up
-
     work = tmp_path_factory.mktemp("recording-cli")
     out = work / "fleet.ligrec"
     with lig_up(work / "state", "--pods", "3", "--pickers", "2") as stack:
