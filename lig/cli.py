@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from shared.host.errors import ServiceError
@@ -62,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     module.configure(parser)
     args = parser.parse_args(top.args)
     try:
-        return int(module.run(args))
+        code = int(module.run(args))
+        sys.stdout.flush()  # a reader that went away shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        # The output's reader stopped reading (``lig ... | head``): end quietly, as shell tools
+        # do; what is still buffered goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except ServiceError as error:
         print(f"lig {top.command}: {error}", file=sys.stderr)
         return error.exit_code
