@@ -70,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="more flags for `lig kv-events`, in one string (e.g. "
                              "--kv-events-args='--events-port 5557 --replay-port 5558' for real "
                              "vLLM servers of --config); see `lig kv-events --help`")
-    parser.add_argument("--tokenizer", action="append", default=[], metavar="POOL=SPEC",
+    parser.add_argument("--tokenizer", action="append", default=None, metavar="POOL=SPEC",
                         help="the pickers route POOL by exact cache contents (the pods' KV "
                              "events) with this tokenizer: a Hugging Face tokenizer.json or its "
                              "folder, or builtin:lig-sim (repeatable; see docs/kv-events.md). "
@@ -176,7 +176,7 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
         picker_pools=args.pool or [], sims=sims,
         sim_args=shlex.split(args.sim_args), kv_events=args.kv_events,
         kv_events_args=shlex.split(args.kv_events_args),
-        tokenizers=stack_config.pool_tokenizers(args.tokenizer, pools,
+        tokenizers=stack_config.pool_tokenizers(args.tokenizer or [], pools,
                                                 [sim.pool for sim in sims], args.kv_events),
         prefix=args.prefix,
         log_level=args.log_level,
@@ -283,9 +283,12 @@ def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed
                                   f"{ports.kv_replay_offset:+d}) -> {plan.prefix}.kvblocks.>  "
                                   f"(metrics :{ports.kv_events_metrics})",
                      pids.get("kv-events")))
+    # The pools routed by exact cache contents (the precise index needs their tokenizer).
+    precise = "".join(f"; tokenizer {pool}={spec}" for pool, spec in plan.tokenizers.items())
     for i, picker in enumerate(ports.pickers):
         rows.append((f"picker-{i}", f"ext_proc :{picker.grpc}, health :{picker.health}, "
-                                    f"metrics :{picker.metrics}", pids.get(f"picker-{i}")))
+                                    f"metrics :{picker.metrics}{precise}",
+                     pids.get(f"picker-{i}")))
     for sim in plan.sims:
         name = plan.sim_name(sim)
         rows.append((name, f"{len(sim.pods)} pods of {sim.pool} on :{sim.pods[0].port}-"

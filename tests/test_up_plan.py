@@ -19,10 +19,13 @@ from lig.topology import (
     ports_in_use,
 )
 from resilience.stack import _one_sim_per_pod
+from scheduling.params import parse_params
+from scheduling.policies import FilterTreeParams
+from scheduling.profile import PREFIX_AWARE, ProfileParams
 from services.kvevents.main import KVEventsSettings
 from services.registry.loader import InvalidRegistry
 from services.registry.overrides import apply_override, read_override
-from shared.schemas import Endpoint
+from shared.schemas import DEFAULT_POLICY_NAME, Endpoint, PolicyConfig
 from simulator.kv_events import bind_address, parse_config
 from tests.support.cli import parse_command
 from tests.support.hf_tokenizer import write_tokenizer
@@ -349,3 +352,28 @@ def test_a_tokenizer_option_serves_real_pools_and_reaches_simulated_pods(
         with pytest.raises(stack_config.ConfigError, match=message):
             up.make_plan(up_args("--config", str(TWO_POOLS), "--state-dir", str(tmp_path),
                                  *bad))
+
+
+def policies(config: Path) -> dict[str, PolicyConfig]:
+    return {pool.name: pool.policy for pool in stack_config.load_config(config).pools}
+
+
+COMPOSE_REGISTRY = EXAMPLE_CONFIG.parents[1] / "deploy" / "registry"
+
+
+@pytest.mark.parametrize("config", [EXAMPLE_CONFIG, TWO_POOLS, COMPOSE_REGISTRY],
+                         ids=["local", "two-pools", "compose"])
+def test_the_example_pools_run_the_default_policy_at_its_defaults(config: Path) -> None:
+    """`lig up`, compose and the Kubernetes demo (whose files are rendered from the local
+    example, tests/test_compose.py and tests/test_kubernetes_overlays.py) run the default
+    policy; the params they show are its defaults, not a different configuration."""
+    found = policies(config)
+    # The two-pools example contrasts per-pool policies: its Qwen pool runs the upstream
+    # filter tree, its thresholds shown at their defaults.
+    contrast = found.pop("qwen-32b", None)
+    if config == TWO_POOLS:
+        assert contrast is not None and contrast.name == "filter-tree"
+        assert parse_params(contrast.params, FilterTreeParams, "") == FilterTreeParams()
+    assert found and {policy.name for policy in found.values()} == {DEFAULT_POLICY_NAME}
+    for policy in found.values():
+        assert parse_params(policy.params, ProfileParams, "") == PREFIX_AWARE
