@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
+from scheduling.prompt_tokenizers import BUILTIN_SIM, parse_pool_specs
 from services.registry.crd import POOL_KIND
 from services.registry.files import load, read_files
 from services.registry.loader import Registry
@@ -111,6 +112,28 @@ def simulated_pools(path: Path, registry: Registry, pools: list[str]) -> list[Si
         simulated.append(SimulatedPool(pool, model, simulated_adapters(registry, pool, model),
                                        pods))
     return simulated
+
+
+def pool_tokenizers(given: list[str], pools: list[str], simulated: list[str],
+                    default_builtin: bool) -> dict[str, str]:
+    """The pickers' tokenizers (pool -> ``lig picker --tokenizer`` spec): ``given``
+    (``POOL=SPEC`` items, each for a served pool; paths made absolute), and for the
+    ``simulated`` pools not given one, ``builtin:lig-sim`` when ``default_builtin`` (the
+    simulator's own tokenizer, so the precise index keys on the ids its pods' events carry)."""
+    try:
+        specs = parse_pool_specs(given)
+    except ValueError as error:
+        raise ConfigError(f"--tokenizer: {error}") from None
+    unknown = [pool for pool in specs if pool not in pools]
+    if unknown:
+        raise ConfigError(f"--tokenizer: pool(s) {', '.join(map(repr, unknown))} not served "
+                          f"(served: {', '.join(pools)})")
+    specs = {pool: spec if spec.startswith("builtin:") else str(Path(spec).resolve())
+             for pool, spec in specs.items()}
+    if default_builtin:
+        for pool in simulated:
+            specs.setdefault(pool, BUILTIN_SIM)
+    return specs
 
 
 def pool_endpoints(registry: Registry, pool: str) -> list[Endpoint]:

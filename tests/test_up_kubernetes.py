@@ -306,3 +306,12 @@ def test_services_keep_three_replicas_and_use_their_own_user_over_tls() -> None:
         assert parsed(name).nats.replicas == nats_replicas
     # The users the generated env files name are the ones nats-config writes.
     assert set(SERVICES) >= {"registry", "collector", "kv-events", "picker", "status"}
+
+
+def test_the_picker_routes_the_demo_pool_by_exact_cache_contents(tmp_path: Path) -> None:
+    """The pickers read the simulator's KV events with its own tokenizer (LIG_TOKENIZER)."""
+    for name, text in find("ConfigMap", "lig-registry")["data"].items():
+        (tmp_path / name).write_text(text)
+    pool = stack_config.choose_pool(stack_config.load_config(tmp_path), None)
+    assert parsed("picker").tokenizer_specs == {pool: "builtin:lig-sim"}
+    assert parsed("vllm-sim").tokenizer is None  # the builtin: the pods tokenize as the pickers

@@ -19,12 +19,16 @@ from lig.topology import (
     ports_in_use,
 )
 from resilience.stack import _one_sim_per_pod
+from scheduling.params import parse_params
+from scheduling.policies import FilterTreeParams
+from scheduling.profile import PREFIX_AWARE, ProfileParams
 from services.kvevents.main import KVEventsSettings
 from services.registry.loader import InvalidRegistry
 from services.registry.overrides import apply_override, read_override
-from shared.schemas import Endpoint
+from shared.schemas import DEFAULT_POLICY_NAME, Endpoint, PolicyConfig
 from simulator.kv_events import bind_address, parse_config
 from tests.support.cli import parse_command
+from tests.support.hf_tokenizer import write_tokenizer
 
 
 def up_args(*argv: str) -> argparse.Namespace:
@@ -287,3 +291,89 @@ def test_a_pod_on_another_pods_event_port_is_refused_before_starting(tmp_path: P
     plan, _ = up.make_plan(up_args("--config", str(config), "--no-kv-events",
                                    "--state-dir", str(tmp_path / "s")))
     assert [pod.port for pod in plan.pods] == [8000, 8001, 7000, 7001]
+
+
+def picker_tokenizers(plan: StackPlan) -> list[dict[str, str]]:
+    """Each picker's tokenizers (pool -> spec), as its own parser reads its command line."""
+    found = []
+    for child in plan.children():
+        if child.name.startswith("picker-"):
+            command, settings = parse_command(child.argv[3:])
+            assert command == "picker"
+            found.append(dict(settings.tokenizer_specs))
+    return found
+
+
+def sim_argv(plan: StackPlan, name: str) -> list[str]:
+    [child] = [child for child in plan.children() if child.name == name]
+    return child.argv
+
+
+@pytest.mark.parametrize("config", [None, TWO_POOLS], ids=["example", "two-pools"])
+def test_the_pickers_route_simulated_pools_with_the_simulators_tokenizer(
+        tmp_path: Path, config: Path | None) -> None:
+    plan, _ = up.make_plan(up_args("--state-dir", str(tmp_path),
+                                   *(["--config", str(config)] if config else [])))
+    expected = {sim.pool: "builtin:lig-sim" for sim in plan.sims}
+    assert len(expected) == (1 if config is None else 2)
+    assert picker_tokenizers(plan) == [expected, expected]
+    assert all("--tokenizer" not in sim_argv(plan, plan.sim_name(sim)) for sim in plan.sims)
+
+
+def test_no_tokenizer_without_kv_events_or_for_real_servers(tmp_path: Path) -> None:
+    plan, _ = up.make_plan(up_args("--no-kv-events", "--state-dir", str(tmp_path)))
+    assert picker_tokenizers(plan) == [{}, {}]
+    config = tmp_path / "real"
+    config.mkdir()
+    text = (TWO_POOLS / "pools.yaml").read_text().replace(
+        "lig.dev/simulated-model: Qwen/Qwen2.5-32B-Instruct", "example.com/real: 'yes'")
+    (config / "pools.yaml").write_text(text)
+    real, _ = up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
+    assert [sim.pool for sim in real.sims] == ["llama-8b"]
+    assert picker_tokenizers(real) == [{"llama-8b": "builtin:lig-sim"}] * 2
+
+
+def test_a_tokenizer_option_serves_real_pools_and_reaches_simulated_pods(
+        tmp_path: Path) -> None:
+    folder = write_tokenizer(tmp_path / "tok").parent
+    plan, _ = up.make_plan(up_args(
+        "--config", str(TWO_POOLS), "--state-dir", str(tmp_path), "--pickers", "1",
+        "--tokenizer", f"qwen-32b={folder}", "--no-kv-events"))
+    # Given explicitly, a tokenizer is used with or without events from `lig up`'s pods.
+    assert picker_tokenizers(plan) == [{"qwen-32b": str(folder.resolve())}]
+    # The simulated pods tokenize as the pickers do: the same file.
+    qwen = sim_argv(plan, "sim-qwen-32b")
+    assert qwen[qwen.index("--tokenizer") + 1] == str(folder.resolve())
+    assert "--tokenizer" not in sim_argv(plan, "sim-llama-8b")
+    for bad, message in ((["--tokenizer", "nope=builtin:lig-sim"], "'nope' not served"),
+                         (["--tokenizer", "qwen-32b"], "is not POOL=PATH"),
+                         (["--pool", "llama-8b", "--tokenizer", "qwen-32b=builtin:lig-sim"],
+                          "'qwen-32b' not served")):
+        with pytest.raises(stack_config.ConfigError, match=message):
+            up.make_plan(up_args("--config", str(TWO_POOLS), "--state-dir", str(tmp_path),
+                                 *bad))
+
+
+def policies(config: Path) -> dict[str, PolicyConfig]:
+    return {pool.name: pool.policy for pool in stack_config.load_config(config).pools}
+
+
+COMPOSE_REGISTRY = EXAMPLE_CONFIG.parents[1] / "deploy" / "registry"
+
+
+@pytest.mark.parametrize("config", [EXAMPLE_CONFIG, TWO_POOLS, COMPOSE_REGISTRY],
+                         ids=["local", "two-pools", "compose"])
+def test_the_example_pools_run_the_default_policy_at_its_defaults(config: Path) -> None:
+    """`lig up`, compose and the Kubernetes demo (whose files are rendered from the local
+    example, tests/test_compose.py and tests/test_kubernetes_overlays.py) run the default
+    policy; the params they show are its defaults, not a different configuration."""
+    found = policies(config)
+    # The two-pools example contrasts per-pool policies: its Qwen pool runs the upstream
+    # filter tree, its thresholds shown at their defaults.
+    contrast = found.pop("qwen-32b", None)
+    if config == TWO_POOLS:
+        assert contrast is not None and contrast.name == "filter-tree"
+        assert parse_params(contrast.params, FilterTreeParams, "") == FilterTreeParams()
+    assert found and {policy.name for policy in found.values()} == {DEFAULT_POLICY_NAME}
+    for policy in found.values():
+        assert parse_params(policy.params, ProfileParams, "") == PREFIX_AWARE

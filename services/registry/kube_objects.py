@@ -73,7 +73,7 @@ ANNOTATION_PREFIX = "inference.lig.dev/"
 ANNOTATIONS = {
     "metrics-path": "URL path the collector scrapes (default /metrics)",
     "metrics-port": "port the collector scrapes (default: each endpoint's own port)",
-    "scheduling-policy": "scheduling policy name (default filter-tree)",
+    "scheduling-policy": f"scheduling policy name (default {DEFAULT_POLICY_NAME})",
     "scheduling-params": "JSON object of the policy's parameters (default {})",
     "reject-unknown-models": "true: unknown model names get 404 (default false)",
     "allowed-networks": "comma-separated CIDRs pod IPs must lie in (default the private ranges)",
