@@ -31,9 +31,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from pathlib import Path
 
 import msgspec
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.flags import at_least
 from scheduling.precise_index import PreciseIndex
 from scheduling.token_blocks import block_keys, root_key
 from services.picker.routing import Routed, Router
@@ -45,6 +49,7 @@ from shared.schemas import Endpoint, EndpointSet, InferencePool, PodMetrics, Pol
 
 BLOCK = 16
 BATCH_BLOCKS = 64
+WARM_BATCHES = 16  # applied before timing, so that the timed ones evict
 
 
 def chained_batches(pod: str, count: int, rng: random.Random) -> Iterator[KVBlockChanges]:
@@ -76,8 +81,8 @@ def bench_apply(runs: int, batches: int) -> None:
         messages = list(chained_batches("pod-0", batches, rng))
         payloads = [encode(message) for message in messages]
         # At the bound from the start: every batch evicts as many blocks as it stores.
-        index = PreciseIndex(BATCH_BLOCKS * 16)
-        first, rest = messages[:16], messages[16:]
+        index = PreciseIndex(BATCH_BLOCKS * WARM_BATCHES)
+        first, rest = messages[:WARM_BATCHES], messages[WARM_BATCHES:]
         for message in first:
             index.apply(message)
         half = len(rest) // 2
@@ -86,7 +91,8 @@ def bench_apply(runs: int, batches: int) -> None:
         samples["apply"].append(per_call_us(
             [partial(index.apply, message) for message in rest[:half]]))
         samples["decode + apply"].append(per_call_us(
-            [partial(_decode_and_apply, index, payload) for payload in payloads[16 + half:]]))
+            [partial(_decode_and_apply, index, payload)
+             for payload in payloads[WARM_BATCHES + half:]]))
         assert index.stats.evicted > 0 and len(index) == index.max_blocks
     results = {name: statistics.median(values) for name, values in samples.items()}
     base = results["msgpack floor"]
@@ -208,10 +214,18 @@ def fill_and_report(blocks: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--batches", type=int, default=2000)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--runs", type=at_least(1), default=7,
+                        help="interleaved runs; the medians are reported (default: 7)")
+    parser.add_argument("--batches", type=at_least(WARM_BATCHES + 2), default=2000,
+                        help=f"KV-event messages per run of the apply benchmark: {WARM_BATCHES} "
+                        "fill the index, half the rest are timed as applied, half as "
+                        "decoded and applied (default: 2000)")
+    parser.add_argument("--requests", type=at_least(1), default=2000,
+                        help="requests per run of the request-path and routing benchmarks "
+                        "(default: 2000)")
+    parser.add_argument("--blocks", type=at_least(1), default=1_000_000,
+                        help="block bound of the index filled for the memory figure "
+                        "(default: 1000000)")
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_only:

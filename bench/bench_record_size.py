@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.flags import at_least
 from scheduling.record import DecisionRecord, OutcomeRecord, Record, RecordBatch
 from services.picker.pools import Gateway, ResponseSeen
 from services.picker.routing import Routed, Router
@@ -93,7 +94,8 @@ def measure(pods: int, requests: int) -> tuple[float, float, float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=at_least(1), default=2000,
+                        help="requests routed per pool size (default: 2000)")
     args = parser.parse_args()
     print(f"bench_record_size: {args.requests} requests per pool size, {BATCH} records a batch")
     print(f"{'pods':>5} {'decision B (wire)':>18} {'decision B (zlib)':>18} "

@@ -27,18 +27,23 @@ import argparse
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import simulator.tokenizer as sim
+from bench.flags import at_least
 from scheduling.prompt import Message
 from scheduling.prompt_tokenizers import HFTokenizer, SimTokenizer, load_prompt_tokenizer
 from scheduling.token_blocks import block_keys, root_key
 from tests.support.hf_tokenizer import write_tokenizer
 
 BLOCK_SIZE = 16
+QUESTION_TOKENS = 60  # the chat's user turn, about: the system prompt is the rest of --tokens
 # A tokenizer, its plain call, how a chat is rendered for it, and its offset-free call if any.
 Subject = tuple[SimTokenizer | HFTokenizer, Callable[[str], list[int]],
                 Callable[[list[Message]], str], Callable[[str], list[int]] | None]
@@ -62,7 +67,7 @@ def run_once(name: str, subject: Subject, tokens: int, requests: int,
     """Per-request CPU microseconds of each case for ``requests`` requests."""
     tokenizer, plain, render, fast = subject
     rng = random.Random(seed)
-    system = words(tokens - 60, rng)
+    system = words(tokens - QUESTION_TOKENS, rng)
     times: dict[str, list[float]] = {case: [] for case in (
         "encode", "ours", "of which keys", "ours, nothing shared", "completion, shared")}
     for index in range(requests):
@@ -82,7 +87,8 @@ def run_once(name: str, subject: Subject, tokens: int, requests: int,
         ids = tokenizer.prompt_token_ids(None, chat)
         assert ids is not None
         times["of which keys"].append(cpu_us(block_keys, ids, BLOCK_SIZE, ROOT))
-        unique = [Message("system", words(tokens - 60, rng)), Message("user", question)]
+        unique = [Message("system", words(tokens - QUESTION_TOKENS, rng)),
+                  Message("user", question)]
         times["ours, nothing shared"].append(cpu_us(ours, unique))
 
         def completion(text: str = system + " " + question) -> None:
@@ -99,9 +105,13 @@ def run_once(name: str, subject: Subject, tokens: int, requests: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--runs", type=at_least(1), default=7,
+                        help="interleaved runs; medians of their medians (default: 7)")
+    parser.add_argument("--requests", type=at_least(1), default=200,
+                        help="requests per run and tokenizer (default: 200)")
+    parser.add_argument("--tokens", type=at_least(QUESTION_TOKENS + 1), default=4000,
+                        help="tokens of a request's chat, about; all but the last "
+                        f"{QUESTION_TOKENS} are the shared system prompt (default: 4000)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as directory:
@@ -136,8 +146,8 @@ def main() -> None:
             for case, values in times.items():
                 results[name].setdefault(case, []).append(statistics.median(values))
 
-    prompt_tokens = len(hf_plain(hf_render([Message("system", words(args.tokens - 60,
-                                                                       random.Random(0)))])))
+    system = words(args.tokens - QUESTION_TOKENS, random.Random(0))
+    prompt_tokens = len(hf_plain(hf_render([Message("system", system)])))
     print(f"python {platform.python_version()}, {args.runs} runs x {args.requests} requests, "
           f"system prompt ~{args.tokens} tokens ({prompt_tokens} with the BPE), block size "
           f"{BLOCK_SIZE}; CPU us per request, median of run medians (ratio to encode)")

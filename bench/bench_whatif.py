@@ -29,6 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.flags import at_least
 from recording.fileformat import read_header
 from recording.records import ReadCounts, Registry, read_records
 from recording.rerun import parse_policy_specs
@@ -73,9 +76,12 @@ def rate(run: Callable[[], int], expected: int) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--decisions", type=int, default=20_000)
-    parser.add_argument("--pods", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decisions", type=at_least(1), default=20_000,
+                        help="decision records in the recording (default: 20000)")
+    parser.add_argument("--pods", type=at_least(1), default=16,
+                        help="pods in every recorded decision's view (default: 16)")
+    parser.add_argument("--rounds", type=at_least(1), default=5,
+                        help="rounds of every measurement; medians reported (default: 5)")
     parser.add_argument("--recorded", default="prefix-aware", choices=policy_names(),
                         help="the policy the recording was decided with")
     args = parser.parse_args()

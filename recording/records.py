@@ -45,6 +45,18 @@ class ReadCounts(msgspec.Struct):
     # (values no picker records).
     undecodable: int = 0
     other_pool: int = 0  # batches of pools the caller did not ask for
+    first_skip: str = ""  # why the first skip happened: a report shows one line, not one each
+
+    def skip(self, message: str, *args: object) -> None:
+        """Count one message skipped as undecodable; ``message % args`` says why.
+
+        A debug line only: the count is in every report, a file full of a newer schema does
+        not flood the terminal, and a corrupt file's garbage before the error stays quiet.
+        The reason is formatted for the first skip alone (the rest cost a counter)."""
+        self.undecodable += 1
+        if not self.first_skip:
+            self.first_skip = message % args
+        log.debug(message, *args)
 
 
 PolicyTag = tuple[str, bytes]
@@ -192,7 +204,7 @@ def find_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
             try:
                 head = _id_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                _skipped(counts, "skipped an undecodable record on %s: %s", name, exc)
+                counts.skip("a record on %s does not decode: %s", name, exc)
                 continue
             if type(head) is _DecisionId:
                 counts.decisions += 1
@@ -203,7 +215,7 @@ def find_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
             try:
                 record = _record_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                _skipped(counts, "skipped an undecodable record on %s: %s", name, exc)
+                counts.skip("a record on %s does not decode: %s", name, exc)
                 continue
             if type(record) is DecisionRecord and not _usable(record, name, counts):
                 continue
@@ -213,8 +225,7 @@ def find_records(source: BinaryIO, registry: Registry, counts: ReadCounts,
 def _usable(record: DecisionRecord, name: str, counts: ReadCounts) -> bool:
     if 0 <= record.prefix_blocks <= MAX_PREFIX_BLOCKS:
         return True
-    _skipped(counts, "skipped a decision record on %s with %d prefix blocks", name,
-             record.prefix_blocks)
+    counts.skip("a decision record on %s has %d prefix blocks", name, record.prefix_blocks)
     return False
 
 
@@ -230,12 +241,11 @@ def _batches(source: BinaryIO, registry: Registry, counts: ReadCounts,
             try:
                 batch = decoder.decode(entry.data or b"")
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                _skipped(counts, "skipped an undecodable record batch on %s: %s", entry.name,
-                         exc)
+                counts.skip("a record batch on %s does not decode: %s", entry.name, exc)
                 continue
             if batch.schema != SCHEMA_VERSION:
-                _skipped(counts, "skipped a record batch on %s with schema %d (this lig reads "
-                         "%d)", entry.name, batch.schema, SCHEMA_VERSION)
+                counts.skip("a record batch on %s has schema %d (this lig reads %d)", entry.name,
+                            batch.schema, SCHEMA_VERSION)
                 continue
             counts.batches += 1
             if pool is not None and batch.pool != pool:
@@ -244,10 +254,3 @@ def _batches(source: BinaryIO, registry: Registry, counts: ReadCounts,
             yield entry.time_ns, entry.name, batch
         elif kind == Kind.REGISTRY_STATE or kind == Kind.REGISTRY_CHANGE:
             registry.apply(entry.name, entry.data, entry.time_ns)
-
-
-def _skipped(counts: ReadCounts, message: str, *args: object) -> None:
-    # A debug line only: the count is in every report, a file full of a newer schema does not
-    # flood the terminal, and a corrupt file's garbage before the error is found stays quiet.
-    counts.undecodable += 1
-    log.debug(message, *args)

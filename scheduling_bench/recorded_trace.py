@@ -12,16 +12,14 @@ criticality and its token sizes:
 
 Also read: how many pods the pool had (the most endpoints its recorded registry listed), which
 targets are LoRA adapters (names the recorded pod views list as running or waiting adapters),
-and the pods' adapter slots. Messages that do not decode are counted and skipped (the report
-gives the count and the first reason), not fatal.
+and the pods' adapter slots. The file is read by :func:`recording.records.read_records` (the
+reader of ``lig replay --what-if`` and ``lig explain --recording``): messages that do not decode
+are counted and skipped (the report gives the count and the first reason), not fatal.
 
 What a trace cannot carry: prompt text (decision records hold only ``prefix_blocks`` and
 ``prefix_hits``, not the prefix hashes), so every prompt plays as text of its own;
 :attr:`RecordedTrace.prefix_hit_decisions` says how many recorded decisions found a cached
 prefix.
-
-The reading here is a minimal single pass; the streaming record reader of ``lig replay
---what-if`` (``recording/``) is meant to replace it.
 """
 
 from __future__ import annotations
@@ -33,18 +31,17 @@ from typing import BinaryIO
 
 import msgspec
 
-from recording.fileformat import Kind, RecordingError, read_entries, read_header
-from scheduling.record import DecisionRecord, OutcomeRecord, RecordBatch
-from shared.schemas import SCHEMA_VERSION, Criticality, EndpointSet
+from recording.fileformat import RecordingError, read_header
+from recording.records import ReadCounts, Registry, read_records
+from scheduling.record import DecisionRecord, OutcomeRecord
+from shared.schemas import Criticality, EndpointSet
 from shared.subjects import unescape_token
 
 DEFAULT_OUTPUT_TOKENS = 129
 """Output tokens of a recorded request with neither usage nor ``max_tokens``: the median answer
 of the Azure conversation trace, as the synthetic workloads draw."""
 
-_RECORDS = "records."  # frame names of record batches: the subject without the prefix
 _ENDPOINTS = "endpoints."  # registry keys of endpoint sets
-_batch_decoder = msgspec.msgpack.Decoder(RecordBatch)
 _endpoints_decoder = msgspec.msgpack.Decoder(EndpointSet)
 
 
@@ -94,8 +91,8 @@ class RecordedTrace(msgspec.Struct, frozen=True):
     """Decisions whose prefix index matched a pod: what the trace cannot reproduce."""
     recorded_sheds: int
     skipped: int
-    """Record batches (a newer schema, a foreign message) and registry endpoint sets that did
-    not decode, skipped."""
+    """Record batches (a newer schema, a foreign message), decision records (values no picker
+    records) and registry endpoint sets that did not decode, skipped."""
     first_skip: str = ""
     """Why the first of them was skipped (the report shows it: one line, not one per batch)."""
 
@@ -192,7 +189,7 @@ def _read(path: str, pool: str | None, _mtime_ns: int, _size: int) -> RecordedTr
     try:
         with open(path, "rb") as source:
             read_header(source)
-            pools, skips = _scan(source)
+            pools, counts = _scan(source)
     except OSError as exc:
         raise RecordedTraceError(f"{path}: {exc.strerror or exc}") from None
     except RecordingError as exc:
@@ -210,67 +207,50 @@ def _read(path: str, pool: str | None, _mtime_ns: int, _size: int) -> RecordedTr
     if pool not in with_records:
         raise RecordedTraceError(f"{path}: no decision records of pool {pool!r} "
                                  f"(pools with records: {', '.join(with_records)})")
-    return _trace(path, pool, pools[pool], skips)
+    return _trace(path, pool, pools[pool], counts)
 
 
-class _Skips:
-    """Record batches and registry values a pass could not use: a count and the first reason."""
+class _Endpoints(Registry):
+    """The recorded registry, noting the most endpoints each pool's set listed."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.first = ""
+    def __init__(self, counts: ReadCounts) -> None:
+        super().__init__()
+        self.counts = counts
+        self.most: dict[str, int] = {}  # pool -> the most endpoints its set listed
 
-    def add(self, reason: str) -> None:
-        self.count += 1
-        self.first = self.first or reason
+    def apply(self, key: str, data: bytes | None, time_ns: int = 0) -> None:
+        """:meth:`Registry.apply`, and an endpoint set's size noted (skipped if undecodable)."""
+        super().apply(key, data, time_ns)
+        if data is None or not key.startswith(_ENDPOINTS):
+            return
+        try:
+            members = len(_endpoints_decoder.decode(data).endpoints)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.counts.skip("registry key %s does not decode as an EndpointSet: %s", key, exc)
+            return
+        pool = unescape_token(key[len(_ENDPOINTS):])
+        self.most[pool] = max(self.most.get(pool, 0), members)
 
 
-def _scan(source: BinaryIO) -> tuple[dict[str, _Pool], _Skips]:
+def _scan(source: BinaryIO) -> tuple[dict[str, _Pool], ReadCounts]:
     """One pass over the body: per pool its decisions, outcomes, endpoints and views."""
     pools: dict[str, _Pool] = {}
-    skips = _Skips()
-    for kind, entry in read_entries(source):
-        if kind == Kind.DECISION and entry.name.startswith(_RECORDS):
-            batch = _batch(entry.name, entry.data, skips)
-            if batch is None:
-                continue
-            found = pools.setdefault(batch.pool, _Pool())
-            for record in batch.records:
-                if isinstance(record, DecisionRecord):
-                    found.decided(batch.picker, record)
-                else:
-                    found.ended(batch.picker, record)
-        elif kind in (Kind.REGISTRY_STATE, Kind.REGISTRY_CHANGE) and entry.name.startswith(
-                _ENDPOINTS) and entry.data is not None:
-            members = _endpoint_count(entry.name, entry.data, skips)
-            if members is not None:
-                found = pools.setdefault(unescape_token(entry.name[len(_ENDPOINTS):]), _Pool())
-                found.endpoints = max(found.endpoints, members)
-    return pools, skips
+    counts = ReadCounts()
+    registry = _Endpoints(counts)
+    for item in read_records(source, registry, counts):
+        found = pools.get(item.pool)
+        if found is None:
+            found = pools[item.pool] = _Pool()
+        if type(item.record) is DecisionRecord:
+            found.decided(item.picker, item.record)
+        else:
+            found.ended(item.picker, item.record)
+    for pool, members in registry.most.items():
+        pools.setdefault(pool, _Pool()).endpoints = members
+    return pools, counts
 
 
-def _batch(name: str, data: bytes | None, skips: _Skips) -> RecordBatch | None:
-    try:
-        batch = _batch_decoder.decode(data or b"")
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        skips.add(f"a record batch on {name} does not decode: {exc}")
-        return None
-    if batch.schema != SCHEMA_VERSION:
-        skips.add(f"a record batch on {name} has schema {batch.schema} (this lig reads "
-                  f"{SCHEMA_VERSION})")
-        return None
-    return batch
-
-
-def _endpoint_count(key: str, data: bytes, skips: _Skips) -> int | None:
-    try:
-        return len(_endpoints_decoder.decode(data).endpoints)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        skips.add(f"registry key {key} does not decode as an EndpointSet: {exc}")
-        return None
-
-
-def _trace(path: str, pool: str, found: _Pool, skips: _Skips) -> RecordedTrace:
+def _trace(path: str, pool: str, found: _Pool, counts: ReadCounts) -> RecordedTrace:
     decisions = found.decisions
     decisions.sort(key=lambda decision: decision.time_ns)
     if len(decisions) < 2 or decisions[-1].time_ns <= decisions[0].time_ns:
@@ -306,8 +286,8 @@ def _trace(path: str, pool: str, found: _Pool, skips: _Skips) -> RecordedTrace:
         sources=sources,
         prefix_hit_decisions=sum(1 for decision in decisions if decision.prefix_hit),
         recorded_sheds=sum(1 for decision in decisions if decision.shed),
-        skipped=skips.count,
-        first_skip=skips.first,
+        skipped=counts.undecodable,
+        first_skip=counts.first_skip,
     )
 
 

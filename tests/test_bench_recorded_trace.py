@@ -287,3 +287,30 @@ def test_the_command_line_gives_one_line_for_a_corrupt_file(
     assert result.stderr.startswith("lig bench: ") and result.stderr.count("\n") == 1, (
         result.stderr)
     assert "corrupt recording" in result.stderr or "truncated recording" in result.stderr
+
+
+def test_records_no_picker_writes_are_skipped_as_the_replay_reader_skips_them(
+    tmp_path: Path,
+) -> None:
+    """The trace reads with ``recording.records`` (as ``lig replay --what-if`` does): a
+    decision record with a prefix-block count no picker records is skipped and counted, not
+    played, and an endpoint set that does not decode counts as a skip too."""
+    plan = _planned()[:3]
+    path = tmp_path / "garbage.ligrec"
+    with path.open("wb") as out:
+        writer = Writer(out, FileHeader(created_ns=START_NS + 10**10, from_ns=START_NS,
+                                        to_ns=START_NS + 10**9, prefix="lig"))
+        writer.add(Kind.REGISTRY_STATE, Entry(START_NS, "endpoints.chat", b"\xc1no set"))
+        for index, request in enumerate(plan):
+            record = _decision(request)
+            if index == 1:
+                record = msgspec.structs.replace(record, prefix_blocks=-1)
+            batch = RecordBatch(picker=request.picker, pool="chat", sent_at_ns=record.time_ns,
+                                records=[record])
+            writer.add(Kind.DECISION, Entry(record.time_ns, "records.chat", encode(batch)))
+        writer.close()
+    trace = read_recorded_trace(path)
+    assert [arrival.time for arrival in trace.arrivals] == pytest.approx(
+        [plan[0].offset_ms / 1000, (plan[2].offset_ms - plan[0].offset_ms) / 1000])
+    assert trace.skipped == 2 and trace.endpoints == 0
+    assert trace.first_skip.startswith("registry key endpoints.chat does not decode")
