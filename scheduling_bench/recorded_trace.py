@@ -241,10 +241,11 @@ def _scan(source: BinaryIO) -> tuple[dict[str, _Pool], ReadCounts]:
         found = pools.get(item.pool)
         if found is None:
             found = pools[item.pool] = _Pool()
-        if type(item.record) is DecisionRecord:
-            found.decided(item.picker, item.record)
+        record = item.record
+        if isinstance(record, DecisionRecord):
+            found.decided(item.picker, record)
         else:
-            found.ended(item.picker, item.record)
+            found.ended(item.picker, record)
     for pool, members in registry.most.items():
         pools.setdefault(pool, _Pool()).endpoints = members
     return pools, counts
