@@ -12,26 +12,36 @@ run per point is the figure, the same on any machine; ``--seeds`` repeats them):
 - the default sweep's other workloads under ``default``: ``chat``, ``multi-lora``,
   ``shared-prefix`` and ``multi-turn`` at a medium and a high rate.
 
+``--cost`` measures instead what the estimate adds to the request path: CPU per request of
+``Gateway.started`` (which computes the pod's prefill tokens) against the same bookkeeping given
+the whole prompt (``PodTable.started(pod, prompt_tokens)``, as before), for a 4,000-token prompt
+whose prefix its pod holds, in the same run; and route + started together, for scale. Medians of
+``--rounds`` rounds of ``--requests`` requests (``time.process_time``).
+
 Run: ``.venv/bin/python bench/bench_prefill_estimate.py [--before before.json] [--seeds 1,2]
-[--jobs 2] [--only prefix-fit|presets] [--json]``
+[--jobs 2] [--only prefix-fit|presets] [--json] [--cost]``
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
-# The baseline run imports the other checkout's code (see _start_baseline).
+# The old code's run imports the other checkout's code (LIG_BENCH_REPO, see the module doc).
 sys.path.insert(0, os.environ.get("LIG_BENCH_REPO") or str(Path(__file__).resolve().parents[1]))
 
 import msgspec
 
+from bench.bench_decision_stream import build_gateway
 from scheduling_bench.default_sweep import PREFIX_FIT
 from scheduling_bench.results import RunMetrics
 from scheduling_bench.runner import Point, parse_policy, run_points
 from scheduling_bench.workloads import WORKLOADS
+from services.picker.routing import Routed
 
 DURATION = 30.0
 # (workload, rates) of the default sweep's presets under ``default`` (medium and high load).
@@ -67,8 +77,15 @@ def main() -> int:
     parser.add_argument("--only", choices=("prefix-fit", "presets"),
                         help="run one group of points")
     parser.add_argument("--json", action="store_true",
-                        help="print the results as JSON (what --baseline-tree reads)")
+                        help="print the results as JSON (what --before reads)")
+    parser.add_argument("--cost", action="store_true",
+                        help="measure the request-path cost instead (see above)")
+    parser.add_argument("--requests", type=int, default=20_000, help="--cost: per round")
+    parser.add_argument("--rounds", type=int, default=7, help="--cost: rounds")
     args = parser.parse_args()
+    if args.cost:
+        _cost(args.requests, args.rounds)
+        return 0
     points: list[Point] = []
     for seed in (int(seed) for seed in args.seeds.split(",")):
         if args.only != "presets":
@@ -84,6 +101,61 @@ def main() -> int:
         before = msgspec.json.decode(args.before.read_bytes(), type=list[RunMetrics])
     _print(results, before)
     return 0
+
+
+def _cost(requests: int, rounds: int) -> None:
+    """Print the request-path cost of counting prefill tokens (see the module doc)."""
+    body = msgspec.json.encode({"model": "m", "max_tokens": 64,
+                                "prompt": "a shared system prompt " * 700})  # ~4,000 tokens
+    gateway = build_gateway(None)
+    first = gateway.route(body)
+    assert isinstance(first, Routed)
+    table = gateway.table(first.pool)
+    assert table is not None
+    routed = gateway.route(body, frozenset({first.endpoint}))  # its pod holds the prefix now
+    assert isinstance(routed, Routed) and routed.prefill_on(routed.pod) < routed.prompt_tokens
+
+    def prefill() -> float:
+        started, finished = gateway.started, table.finished
+        start = time.process_time()
+        for _ in range(requests):
+            started(routed)
+            finished(routed.pod)
+        return (time.process_time() - start) / requests
+
+    def whole_prompt() -> float:
+        started, finished = table.started, table.finished
+        pod, tokens = routed.pod, routed.prompt_tokens
+        start = time.process_time()
+        for _ in range(requests):
+            started(pod, tokens)
+            finished(pod)
+        return (time.process_time() - start) / requests
+
+    def route_and_start() -> float:
+        route, started, finished = gateway.route, gateway.started, table.finished
+        count = max(1, requests // 10)
+        start = time.process_time()
+        for _ in range(count):
+            decision = route(body)
+            assert isinstance(decision, Routed)
+            started(decision)
+            finished(decision.pod)
+        return (time.process_time() - start) / count
+
+    new, old, whole = [], [], []
+    for _ in range(rounds):  # interleaved, so that the machine's load hits both alike
+        new.append(prefill())
+        old.append(whole_prompt())
+        whole.append(route_and_start())
+    new_us, old_us = statistics.median(new) * 1e6, statistics.median(old) * 1e6
+    print(f"{routed.prompt_tokens} prompt tokens, {routed.prefill_on(routed.pod)} to prefill; "
+          f"medians of {rounds} rounds of {requests} requests, CPU per request:")
+    print(f"started + finished, prefill tokens (Gateway.started): {new_us:.2f} us")
+    print(f"started + finished, whole prompt (as before):        {old_us:.2f} us "
+          f"(ratio {new_us / old_us:.2f}, +{new_us - old_us:.2f} us)")
+    print(f"route + started + finished:                           "
+          f"{statistics.median(whole) * 1e6:.1f} us")
 
 
 def _print(after: list[RunMetrics], before: list[RunMetrics] | None) -> None:
