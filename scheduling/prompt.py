@@ -30,6 +30,9 @@ MESSAGE_OVERHEAD_TOKENS = 4
 # Only this many bytes are ever hashed; a character is at least one byte, so keeping this many
 # characters of text is enough, and a huge prompt costs its length, not an encoding of it all.
 HASHED_BYTES = BLOCK_BYTES * MAX_BLOCKS
+# The most tokens one hashed block stands for: its bytes at one token per 4 characters (a
+# character is at least one byte), or as many 4-byte token ids.
+BLOCK_TOKENS = BLOCK_BYTES // CHARS_PER_TOKEN
 
 
 class ContentPart(msgspec.Struct):

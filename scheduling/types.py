@@ -29,7 +29,8 @@ class PodView(msgspec.Struct, frozen=True, array_like=True):
     max_lora: int = 0
     in_flight: int = 0
     # Prompt tokens routed to the pod (by this picker and its peers) that its newest snapshot
-    # does not show yet (see services/picker/load_estimate.py).
+    # does not show yet, counting only those it must prefill, not the prefix it caches (see
+    # services/picker/load_estimate.py).
     unreported_tokens: int = 0
 
 

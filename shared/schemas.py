@@ -134,7 +134,11 @@ class RoutedEvent(msgspec.Struct, frozen=True, tag="r", array_like=True):
 
     ``prompt_tokens`` is the picker's estimate of the prompt's size, ``max_tokens`` the
     request's limit (0: unknown or unset); ``prefix_hashes`` are the chained hashes of the
-    prompt's blocks (empty when the picker does not hash prompts).
+    prompt's blocks (empty when the picker does not hash prompts). ``prefill_tokens`` is the
+    part of ``prompt_tokens`` the picker expects ``pod`` to compute, the rest being in its prefix
+    cache per the picker's prefix index: what peers count as the pod's unreported load (None:
+    all of ``prompt_tokens``, as nothing is cached or the picker predates the field). Last, so
+    that older peers, which ignore trailing fields, still decode the event.
     """
 
     request_id: int
@@ -144,6 +148,7 @@ class RoutedEvent(msgspec.Struct, frozen=True, tag="r", array_like=True):
     prompt_tokens: int = 0
     max_tokens: int = 0
     prefix_hashes: tuple[int, ...] = ()
+    prefill_tokens: int | None = None
 
 
 class FinishedEvent(msgspec.Struct, frozen=True, tag="f", array_like=True):

@@ -104,7 +104,7 @@ def test_routed_and_finished_requests_are_reported_with_their_pool_and_id() -> N
     gw.started(second)
     gw.finished(first, 12, 34)
     assert first.prompt_tokens > 500 and first.max_tokens == 64 and first.prefix_hashes
-    assert events == [
+    assert events == [  # nothing cached yet: prefill_tokens None, the whole prompt
         (POOL, RoutedEvent(first.request_id, first.pod, "m", Criticality.STANDARD,
                            first.prompt_tokens, 64, first.prefix_hashes)),
         (POOL, RoutedEvent(second.request_id, second.pod, "m", Criticality.STANDARD,
@@ -267,7 +267,8 @@ def test_the_batch_encoding_is_compact_and_round_trips() -> None:
     assert decode(data, DecisionBatch) == original
     one = encode(DecisionBatch("picker-1", POOL, 123, [routed(123456, "pod-a")]))
     empty = encode(DecisionBatch("picker-1", POOL, 123, []))
-    assert len(one) - len(empty) <= 28  # a routed event without hashes: 28 bytes
+    # A routed event without hashes: 29 bytes (28 before prefill_tokens, nil here).
+    assert len(one) - len(empty) <= 29
 
 
 # --- the flag ---------------------------------------------------------------------------------

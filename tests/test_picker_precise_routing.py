@@ -73,11 +73,12 @@ def test_hits_are_token_blocks_and_pods_without_events_keep_the_approximate_inde
     hashes = prefix_hashes(chat_prompt(messages).data, "chat")
     fleet.router.prefixes.record("pod-1", hashes[:2])  # believed to hold 2 of its 1 KiB blocks
     fleet.router.prefixes.record("pod-0", hashes)  # what pod-0's events say wins
-    request, approximate, keys = fleet.router._request(
+    request, approximate, keys, block_tokens = fleet.router._request(
         b"", "chat", "chat", Criticality.STANDARD, RequestFields(model="chat", messages=messages))
     assert approximate == hashes
     assert keys == block_keys(ids, BS, root_key(None))
     assert request.prefix_hashes == tuple(keys)
+    assert block_tokens == BS
     full = len(ids) // BS
     assert request.prefix_hits == {"pod-0": full,
                                    "pod-1": int(2 * len(keys) / len(hashes))}

@@ -1,5 +1,8 @@
 """``token_load``: prefer pods with fewer prompt tokens routed to them but not yet reported.
 
+The tokens are those each pod must prefill: a prefix it caches (per the picker's prefix index)
+does not count (``services/picker/load_estimate.py``).
+
 Score ``1 / (1 + unreported_tokens / token_scale)``: 1 for a pod that got nothing since its
 snapshot, 0.5 at ``token_scale`` tokens. The scale is absolute, not relative to the other pods,
 so three 50-token prompts barely count while three 8,000-token prompts weigh like the prefill

@@ -15,10 +15,16 @@ whole pool over the tree's absolute thresholds (a sheddable request needs a pod 
 
 Approximations: the count restarts when a snapshot *arrives*, not when it was taken, so requests
 routed between a scrape and its arrival (scrape duration plus the NATS hop, about 5 ms of a 50 ms
-interval) are counted by neither. Prompt tokens are counted beside the requests (the estimate of
-``scheduling/prompt.py``) and shown to policies as ``PodView.unreported_tokens``, in full, not
-relative to the least-loaded pod: the ``token_load`` scorer rates them on an absolute scale. KV
-usage itself is not corrected.
+interval) are counted by neither. Prompt tokens are counted beside the requests and shown to
+policies as ``PodView.unreported_tokens``, in full, not relative to the least-loaded pod: the
+``token_load`` scorer rates them on an absolute scale. KV usage itself is not corrected.
+
+The tokens counted are those the pod will have to *prefill* (:func:`prefill_tokens`): the prompt's
+estimate (``scheduling/prompt.py``) minus the leading blocks the pod holds according to the prefix
+index the decision used (precise hits when the pool has them, else approximate). Counting whole
+prompts made the pod holding a popular prefix look loaded by the very requests that hit its
+cache, so the next request of that prefix went elsewhere and missed (docs/benchmarks.md, "Prefix
+sources"). Peers' routed events carry the same figure (docs/decision-stream.md).
 
 This corrects the policies' input, not the policies: ``lig picker --no-load-estimate`` turns it
 off, leaving decisions on the scraped metrics alone, as upstream.
@@ -31,6 +37,19 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from scheduling.types import PodView
+
+
+def prefill_tokens(prompt_tokens: int, hits: int, blocks: int, block_tokens: int) -> int:
+    """The tokens of a prompt of ``prompt_tokens`` (estimated) that a pod holding ``hits`` of
+    its ``blocks`` leading blocks looked up still has to compute.
+
+    The cached part is the hit fraction of the prompt, ``prompt_tokens * hits / blocks``, but at
+    most ``hits * block_tokens`` (the most tokens a block holds): the blocks looked up may cover
+    only the start of a prompt (lookups are capped, a batch hashes its first prompt only), and a
+    pod never holds the partial last block."""
+    if hits <= 0 or blocks <= 0:
+        return prompt_tokens
+    return prompt_tokens - min(prompt_tokens * hits // blocks, hits * block_tokens)
 
 
 class UnreportedLoad:

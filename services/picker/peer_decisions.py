@@ -3,9 +3,11 @@
 Every picker replica publishes what it decides (``services/picker/decision_stream.py``); this is
 the receiving side without the network. A peer's routed request counts in the pod table exactly
 as one of ours would: in flight until its finished event, and unreported until the pod's next
-snapshot (which clears peers' and own counts alike), with its prompt tokens; its prompt's block
-hashes go into the pool's prefix index as if this picker had routed it. Batches carrying our own
-picker id are ignored: our requests were counted when we routed them.
+snapshot (which clears peers' and own counts alike), with the prompt tokens the peer expects the
+pod to prefill (``RoutedEvent.prefill_tokens``; all its prompt tokens from a peer that does not
+send them); its prompt's block hashes go into the pool's prefix index as if this picker had
+routed it. Batches carrying our own picker id are ignored: our requests were counted when we
+routed them.
 
 Nothing here is persisted, and nothing a peer said outlives a bounded time:
 
@@ -99,7 +101,9 @@ class PeerDecisions:
             if isinstance(event, RoutedEvent):
                 if event.request_id in requests:  # a repeat (moved to a fallback pod)
                     table.peer_finished(requests.pop(event.request_id)[0])
-                if table.peer_started(event.pod, event.prompt_tokens):
+                prefill = event.prefill_tokens
+                if table.peer_started(event.pod, event.prompt_tokens if prefill is None
+                                      else prefill):
                     requests[event.request_id] = (event.pod, now)
                     if event.prefix_hashes:
                         prefixes.record(event.pod, event.prefix_hashes)

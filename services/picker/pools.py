@@ -286,7 +286,7 @@ class Gateway:
         """A request was sent to ``routed``'s pod."""
         pods = self.table(routed.pool)
         if pods is not None:
-            pods.started(routed.pod, routed.prompt_tokens)
+            pods.started(routed.pod, routed.prefill_on(routed.pod))
             if self.on_decision is not None:
                 self.on_decision(routed.pool, _routed_event(routed))
 
@@ -312,7 +312,8 @@ class Gateway:
         of it as the same request routed again, to ``pod``."""
         pods = self.table(routed.pool)
         if pods is not None:
-            pods.served_elsewhere(routed.pod, pod, routed.prompt_tokens)
+            pods.served_elsewhere(routed.pod, pod, routed.prefill_on(routed.pod),
+                                  routed.prefill_on(pod))
             if self.on_decision is not None:
                 self.on_decision(routed.pool, _routed_event(routed, pod))
 
@@ -378,6 +379,9 @@ def _outcome(routed: Routed, prompt_tokens: int, completion_tokens: int | None,
 
 
 def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:
-    return RoutedEvent(routed.request_id, routed.pod if pod is None else pod,
-                       routed.target_model, routed.criticality, routed.prompt_tokens,
-                       routed.max_tokens, routed.prefix_hashes)
+    served = routed.pod if pod is None else pod
+    prefill = routed.prefill_on(served)
+    return RoutedEvent(routed.request_id, served, routed.target_model, routed.criticality,
+                       routed.prompt_tokens, routed.max_tokens, routed.prefix_hashes,
+                       # None (one byte) says "all of them", the usual case
+                       None if prefill == routed.prompt_tokens else prefill)

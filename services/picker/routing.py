@@ -21,6 +21,7 @@ from scheduling.precise_index import DEFAULT_SPECULATIVE_TTL, PreciseIndex
 from scheduling.prefix_hash import prefix_hashes
 from scheduling.prefix_index import PrefixIndex
 from scheduling.prompt import (
+    BLOCK_TOKENS,
     CompletionPrompt,
     Message,
     PromptDigest,
@@ -30,6 +31,7 @@ from scheduling.prompt import (
 from scheduling.record import DecisionRecord, Record
 from scheduling.token_blocks import PromptTokenizer, block_keys, root_key
 from scheduling.types import Decision, PodView, Policy, SchedulingRequest
+from services.picker.load_estimate import prefill_tokens
 from services.picker.state import PodTable
 from shared.logs import RateLimitedLog
 from shared.registry_view import RegistryChanges, RegistryView
@@ -113,6 +115,17 @@ class Routed(msgspec.Struct, frozen=True):
     request_id: int = 0
     envoy_request_id: str = ""  # Envoy's x-request-id ("" when none), for the outcome record
     decided_ns: int = 0  # perf_counter_ns of the decision (recording on), for the outcome record
+    # The prefix matches the decision used (per pod, leading blocks held, of prefix_blocks
+    # looked up, each of at most block_tokens tokens), for the tokens each pod must prefill.
+    prefix_hits: Mapping[str, int] = _NO_HITS
+    prefix_blocks: int = 0
+    block_tokens: int = 0
+
+    def prefill_on(self, pod: str) -> int:
+        """The prompt tokens ``pod`` must compute for this request: its estimate minus what the
+        decision's prefix index says ``pod`` caches (``load_estimate.prefill_tokens``)."""
+        return prefill_tokens(self.prompt_tokens, self.prefix_hits.get(pod, 0),
+                              self.prefix_blocks, self.block_tokens)
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -356,7 +369,8 @@ class Router:
         if objective is not None:
             criticality = self._objective_criticality(objective, criticality)
         registered = route is not None
-        request, hashes, keys = self._request(body, requested, target, criticality, fields)
+        request, hashes, keys, block_tokens = self._request(body, requested, target,
+                                                            criticality, fields)
         seq = self._next_id()
         choice = self._choose(request, subset, seq, request_id)
         if isinstance(choice, Rejected):
@@ -378,13 +392,15 @@ class Router:
         return Routed(pick.name, pick.address, requested, target, registered, new_body,
                       fallbacks, pool, request.prompt_tokens, request.max_tokens, hashes,
                       criticality, seq, request_id,
-                      time.perf_counter_ns() if self.on_record is not None else 0)
+                      time.perf_counter_ns() if self.on_record is not None else 0,
+                      request.prefix_hits, len(request.prefix_hashes), block_tokens)
 
     def _request(self, body: bytes, requested: str, target: str, criticality: Criticality,
                  fields: RequestFields | None
-                 ) -> tuple[SchedulingRequest, tuple[int, ...], list[int]]:
+                 ) -> tuple[SchedulingRequest, tuple[int, ...], list[int], int]:
         """The request as the policy sees it (prompt estimate, prefix blocks and their matches),
-        with the prompt's approximate hashes and its token-block keys (empty when not used).
+        with the prompt's approximate hashes, its token-block keys (empty when not used) and the
+        most tokens one of the request's blocks holds.
 
         Precise scoring applies when the pool has a tokenizer that can tokenize this prompt and
         some pods publish KV events: the request's blocks are then token blocks, the hits of the
@@ -399,8 +415,9 @@ class Router:
         hits = self.prefixes.match(hashes) if hashes else _NO_HITS
         keys = self._token_keys(fields, target)
         if not keys:
-            return SchedulingRequest(requested, target, criticality, digest.tokens,
-                                     fields.completion_limit(), hashes, hits), hashes, keys
+            return (SchedulingRequest(requested, target, criticality, digest.tokens,
+                                      fields.completion_limit(), hashes, hits),
+                    hashes, keys, BLOCK_TOKENS)
         precise = self.precise
         publishing = precise.event_pods()
         merged = {pod: depth for pod, depth in precise.match(keys).items() if pod in publishing}
@@ -409,8 +426,9 @@ class Router:
             for pod, depth in hits.items():
                 if pod not in publishing:
                     merged[pod] = min(len(keys), int(depth * scale))
-        return SchedulingRequest(requested, target, criticality, digest.tokens,
-                                 fields.completion_limit(), tuple(keys), merged), hashes, keys
+        return (SchedulingRequest(requested, target, criticality, digest.tokens,
+                                  fields.completion_limit(), tuple(keys), merged),
+                hashes, keys, precise.block_size or BLOCK_TOKENS)
 
     def _token_keys(self, fields: RequestFields, target: str) -> list[int]:
         """The keys of the prompt's token blocks, or [] when precise scoring does not apply.

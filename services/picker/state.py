@@ -172,7 +172,7 @@ class PodTable:
 
     def started(self, pod: str, prompt_tokens: int = 0) -> None:
         """Count a request sent to ``pod`` until :meth:`finished`, and it and its
-        ``prompt_tokens`` until the pod's next snapshot."""
+        ``prompt_tokens`` (those the pod must prefill) until the pod's next snapshot."""
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
         self._unreported.routed(pod, prompt_tokens)
         self.gray.started(pod, self._clock())
@@ -201,12 +201,15 @@ class PodTable:
         _decrement(self._in_flight, pod)
         _decrement(self._peer_in_flight, pod)
 
-    def served_elsewhere(self, routed: str, served: str, prompt_tokens: int = 0) -> None:
+    def served_elsewhere(self, routed: str, served: str, prompt_tokens: int = 0,
+                         served_tokens: int | None = None) -> None:
         """The request routed to ``routed`` was served by ``served`` (the gateway went down the
-        fallback list): its in-flight count and load estimate (``prompt_tokens``) move there."""
+        fallback list): its in-flight count moves there, and its load estimate:
+        ``prompt_tokens`` counted for ``routed`` leave it, ``served_tokens`` (what ``served``
+        must prefill; None: the same) count for ``served``."""
         self.finished(routed)
         self._unreported.unrouted(routed, prompt_tokens)
-        self.started(served, prompt_tokens)
+        self.started(served, prompt_tokens if served_tokens is None else served_tokens)
 
     def member_at(self, hostport: str) -> Endpoint | None:
         """The member endpoint at ``ip:port`` (None when no member is there)."""
