@@ -14,7 +14,6 @@ import argparse
 import importlib
 import os
 import re
-import socket
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -48,8 +47,7 @@ def command_help(command: str) -> str:
         text = parser.format_help()
     finally:
         os.environ.update(saved)
-    # The collector's default id is this host and process; say so instead.
-    return text.replace(f"{socket.gethostname()}-{os.getpid()}", "HOSTNAME-PID")
+    return text
 
 
 def commands_section() -> str:

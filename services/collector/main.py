@@ -51,7 +51,8 @@ class CollectorSettings(msgspec.Struct, frozen=True):
     """Everything ``lig collector`` is configured with: one field per flag."""
 
     nats: NatsSettings = NatsSettings()
-    collector_id: Annotated[str, option("this collector's name among its peers", min_length=1)] \
+    collector_id: Annotated[str, option("this collector's name among its peers", min_length=1,
+                                        default_text="HOSTNAME-PID")] \
         = msgspec.field(default_factory=default_member_id)
     interval_s: Annotated[float, option("seconds between two scrapes of a pod",
                                         flag="--interval", ge=MIN_INTERVAL_S)] = 0.05

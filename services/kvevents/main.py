@@ -61,7 +61,8 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
         "data-parallel ranks per pod: rank r publishes on both ports + r (as vLLM does), each "
         "with its own sequence", ge=1, le=MAX_DP_RANKS)] = 1
     replica_id: Annotated[str, option(
-        "this replica's name among the replicas sharing the pods", min_length=1)] \
+        "this replica's name among the replicas sharing the pods", min_length=1,
+        default_text="HOSTNAME-PID")] \
         = msgspec.field(default_factory=default_member_id)
     heartbeat_s: Annotated[float, option(
         "seconds between the heartbeats by which replicas share the pods (rendezvous hashing "

@@ -45,15 +45,19 @@ class Option(msgspec.Struct, frozen=True):
     aliases: tuple[str, ...] = ()  # older variable names still read (after the canonical one)
     parse: Callable[[str], Any] | None = None  # text -> value, before msgspec's check
     show_default: bool = True
+    default_text: str | None = None  # how help shows a default computed at start (a host name)
 
 
 def option(help: str, *, flag: str | None = None, metavar: str | None = None,
            positional: bool = False, separator: str = ",", aliases: tuple[str, ...] = (),
            parse: Callable[[str], Any] | None = None, show_default: bool = True,
-           **constraints: Any) -> msgspec.Meta:
+           default_text: str | None = None, **constraints: Any) -> msgspec.Meta:
     """The annotation of a settings field: its help and, as keywords, msgspec constraints
-    (``ge=0``, ``gt=0``, ``min_length=1``...) checked on flag and environment values alike."""
-    extra = Option(help, flag, metavar, positional, separator, aliases, parse, show_default)
+    (``ge=0``, ``gt=0``, ``min_length=1``...) checked on flag and environment values alike.
+    ``default_text`` is what help shows as the default when it is computed at start (it would
+    differ from host to host, and so would the help's wrapping)."""
+    extra = Option(help, flag, metavar, positional, separator, aliases, parse, show_default,
+                   default_text)
     return msgspec.Meta(extra={"option": extra}, **constraints)
 
 
@@ -135,7 +139,8 @@ def _fields(cls: type[msgspec.Struct], prefix: str = "") -> list[_Field | tuple[
 
 def _help(field: _Field) -> str:
     shown = field.option.show_default and field.default not in (None, [], (), "")
-    default = (", ".join(field.default) if field.is_list else
+    default = (field.option.default_text if field.option.default_text is not None else
+               ", ".join(field.default) if field.is_list else
                ("on" if field.default else "off") if field.is_bool else field.default)
     details = [f"default: {default}"] if shown else []
     details.append("env " + " or ".join((field.env, *field.option.aliases)))
