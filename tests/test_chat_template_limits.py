@@ -13,7 +13,7 @@ import pytest
 
 from scheduling.chat_template import MAX_RENDER_STEPS, MAX_RENDERED_CHARS, ChatTemplate
 from scheduling.prompt import Message
-from scheduling.prompt_tokenizers import load_prompt_tokenizer
+from scheduling.prompt_tokenizers import MAX_CHAT_MESSAGES, HFTokenizer, load_prompt_tokenizer
 from tests.support.hf_tokenizer import CHATML_TEMPLATE, write_tokenizer
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -83,3 +83,29 @@ def test_the_picker_tokenizer_falls_back_on_a_bomb(tmp_path: Path) -> None:
     started = time.perf_counter()
     assert tokenizer.prompt_token_ids(None, [Message("user", "a")] * 3) is None
     assert time.perf_counter() - started < 5.0
+
+
+def test_a_conversation_of_too_many_messages_falls_back_without_rendering(
+    tmp_path: Path
+) -> None:
+    """Rendering costs each message (about 4 us for ChatML): past MAX_CHAT_MESSAGES (far more
+    than the 2,048 blocks looked up need) the tokenizer answers None at once."""
+    tokenizer = load_prompt_tokenizer(str(write_tokenizer(tmp_path)))
+    assert isinstance(tokenizer, HFTokenizer)
+    assert tokenizer.prompt_token_ids(None, [Message("user", "x")] * MAX_CHAT_MESSAGES)
+    template = tokenizer.template
+    assert template is not None
+    rendered: list[int] = []
+
+    class Counting:
+        source = template.source
+
+        def render(self, messages: list[dict[str, object]]) -> str:
+            rendered.append(len(messages))
+            return template.render(messages)
+
+    tokenizer.template = Counting()  # type: ignore[assignment]
+    assert tokenizer.prompt_token_ids(None, [Message("user", "x")] * MAX_CHAT_MESSAGES) is not None
+    assert tokenizer.prompt_token_ids(None, [Message("user", "x")] * (MAX_CHAT_MESSAGES + 1)) \
+        is None
+    assert rendered == [MAX_CHAT_MESSAGES]
