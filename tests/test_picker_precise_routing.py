@@ -213,3 +213,19 @@ def test_changes_that_came_before_the_registry_are_kept_for_members_only() -> No
     assert fleet.router.precise.event_pods() == {"pod-0"}
     assert fleet.router.precise.pods() == ["pod-0"]
     assert len(fleet.router.precise) == 1
+
+
+def test_changes_of_an_impossible_rank_are_undecodable() -> None:
+    """vLLM's data-parallel ranks are what lig kv-events accepts from it (0..65,535): a message
+    naming another is garbage, not a new rank kept forever in the index."""
+    fleet = prefix_fleet(1)
+    skipped: list[str] = []
+    sink = KVBlocksSink(lambda pool: (fleet.router.precise, fleet.pods) if pool == POOL
+                        else None, on_skip=skipped.append)
+    for rank in (-1, 1 << 16, 1 << 40):
+        sink.accept("lig.kvblocks.p.pod-0", encode(KVBlockChanges(
+            POOL, "pod-0", "127.0.0.1:8001", 0, 0.0, [], dp_rank=rank)))
+    sink.accept("lig.kvblocks.p.pod-0", encode(KVBlockChanges(
+        POOL, "pod-0", "127.0.0.1:8001", 0, 0.0, [], dp_rank=(1 << 16) - 1)))
+    assert skipped == ["undecodable"] * 3
+    assert fleet.router.precise.stats.messages == 1
