@@ -16,14 +16,16 @@ list of named templates of which ``default`` is taken).
 
 The template is code from a model repository, run on the picker's event loop for every chat
 request. Jinja's sandbox stops it reaching Python internals but not from spending memory or CPU
-(``'x' * 10**9``, ``'%099999999d' % 1``, ``'x'|center(10**9)``, nested ``range`` loops), so each
-render is bounded here: its output and any string, list or number it builds stay under
-:data:`MAX_RENDERED_CHARS` (a width or count argument beyond it is refused before it is used),
-and it may take :data:`MAX_RENDER_STEPS` steps (attribute and item reads, calls, operators, items
-of ``range``). A render over a bound raises ``jinja2.sandbox.SecurityError`` like any template
-error: the request falls back to the approximate index. Not bounded: loops nested over the
-request's own lists (``messages`` within ``messages``) that do nothing in their body, which cost
-the square of the request's size and no step.
+(``'x' * 10**9``, ``'%099999999d' % 1``, ``'x'|center(10**9)``, a string doubled in a loop by
+``~``, ``+`` or ``join``, nested ``range`` loops), so each render is bounded here: its output and
+any string, list or number it builds stay under :data:`MAX_RENDERED_CHARS` (repeats, sums,
+concatenations, joins, replaces, widths and counts are checked before they are built; what a
+filter or method returns, after), and it may take :data:`MAX_RENDER_STEPS` steps (attribute and
+item reads, calls, operators, concatenations, items of ``range``). A render over a bound raises
+``jinja2.sandbox.SecurityError`` like any template error: the request falls back to the
+approximate index. Not bounded: loops nested over the request's own lists (``messages`` within
+``messages``) that do nothing in their body, which cost the square of the request's size and no
+step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.filters
 import jinja2.nodes
@@ -84,6 +87,44 @@ def _size(value: object) -> int | None:
     return len(value) if isinstance(value, (str, list, tuple)) else None
 
 
+def _checked(result: Any) -> Any:
+    """``result`` unless it is a string or list beyond the bound (built by a filter or method
+    that cannot be checked before: it is refused before anything builds on it)."""
+    size = _size(result)
+    if size is not None and size > MAX_RENDERED_CHARS:
+        raise _refuse(f"a result of {size} items")
+    return result
+
+
+def _check_join(items: Any, separator: str) -> None:
+    """Refuse joining ``items`` (strings) when the result would exceed the bound."""
+    if isinstance(items, (list, tuple)):
+        total = len(separator) * max(len(items) - 1, 0) + sum(
+            len(item) if isinstance(item, str) else 0 for item in items)
+        if total > MAX_RENDERED_CHARS:
+            raise _refuse(f"a join of {total} characters")
+
+
+def _check_replace(text: Any, old: Any, new: Any) -> None:
+    """Refuse ``text.replace(old, new)`` when the result would exceed the bound."""
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        count = text.count(old) if old else len(text) + 1
+        if len(text) + count * (len(new) - len(old)) > MAX_RENDERED_CHARS:
+            raise _refuse("a replace beyond the bound")
+
+
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator with ``~`` going through the environment's bounded concat."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
+        """``a ~ b``: ``environment.concat_bounded((a, b))``."""
+        self.write("environment.concat_bounded((")
+        for argument in node.nodes:
+            self.visit(argument, frame)
+            self.write(", ")
+        self.write("))")
+
+
 def _bounded_filter(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` (a filter) refusing int arguments beyond the bound (``center``, ``indent``,
     ``batch``, ``truncate``... take widths and counts); the filtered value itself is not
@@ -94,21 +135,29 @@ def _bounded_filter(function: Callable[..., Any]) -> Callable[..., Any]:
     def bounded(*args: Any, **kwargs: Any) -> Any:
         for value in (*args[skip:], *kwargs.values()):
             _check_number(value)
-        if function is _FORMAT_FILTER and len(args) >= skip and isinstance(args[skip - 1], str):
-            _check_format(args[skip - 1], star=True)
-        return function(*args, **kwargs)
+        value = args[skip - 1] if len(args) >= skip else None
+        if function is _FORMAT_FILTER and isinstance(value, str):
+            _check_format(value, star=True)
+        elif function is _JOIN_FILTER:
+            _check_join(value, str(args[skip] if len(args) > skip else kwargs.get("d", "")))
+        elif function is _REPLACE_FILTER and len(args) >= skip + 2:
+            _check_replace(value, args[skip], args[skip + 1])
+        return _checked(function(*args, **kwargs))
 
     return bounded
 
 
 _FORMAT_FILTER = jinja2.filters.FILTERS["format"]
+_JOIN_FILTER = jinja2.filters.FILTERS["join"]
+_REPLACE_FILTER = jinja2.filters.FILTERS["replace"]
 
 
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox with the bounds of this module (see its docstring). One render
     at a time: :meth:`start` gives the next render the whole step budget."""
 
-    intercepted_binops = frozenset({"*", "%", "**"})
+    intercepted_binops = frozenset({"+", "*", "%", "**"})
+    code_generator_class = _BoundedCodeGenerator
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -145,16 +194,37 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any,  # Jinja's signature
              **kwargs: Any) -> Any:
-        """Sandboxed call, one step; int arguments (widths, counts) within the bound."""
+        """Sandboxed call, one step; int arguments (widths, counts) within the bound, and
+        ``str.join`` / ``str.replace`` checked for the length they would build."""
         __self.step()
         for value in (*args, *kwargs.values()):
             _check_number(value)
-        return super().call(__context, __obj, *args, **kwargs)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and args:
+            name = getattr(__obj, "__name__", "")
+            if name == "join":
+                _check_join(args[0], owner)
+            elif name == "replace" and len(args) >= 2:
+                _check_replace(owner, args[0], args[1])
+        return _checked(super().call(__context, __obj, *args, **kwargs))
+
+    def concat_bounded(self, values: tuple[Any, ...]) -> str:
+        """``a ~ b ~ ...`` (Jinja's ``str_join``), one step, refused beyond the bound."""
+        self.step()
+        parts = [str(value) for value in values]
+        if sum(map(len, parts)) > MAX_RENDERED_CHARS:
+            raise _refuse("a concatenation beyond the bound")
+        return "".join(parts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         """``*``, ``%`` and ``**``, one step, refused when the result would exceed the bound."""
         self.step()
-        if operator == "*":
+        if operator == "+":
+            left_size, right_size = _size(left), _size(right)
+            if (left_size is not None and right_size is not None
+                    and left_size + right_size > MAX_RENDERED_CHARS):
+                raise _refuse(f"a sum of {left_size + right_size} items")
+        elif operator == "*":
             for sequence, count in ((left, right), (right, left)):
                 size = _size(sequence)
                 if (size is not None and isinstance(count, int)

@@ -34,6 +34,19 @@ BOMBS = {
     "power": "{{ (7 ** 10000000) % 10 }}",
     "output loop": ("{% for i in range(100000) %}{% for m in messages %}"
                     f"{{{{ 'y' * {OVER // 50_000} }}}}{{% endfor %}}{{% endfor %}}"),
+    "concat doubling": ("{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}"),
+    "plus doubling": ("{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                      "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}"),
+    "list doubling": ("{% set ns = namespace(s=[1]) %}{% for i in range(26) %}"
+                      "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}"),
+    "join doubling": ("{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                      "{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}{{ ns.s|length }}"),
+    "str.join doubling": ("{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                          "{% set ns.s = ''.join([ns.s, ns.s]) %}{% endfor %}"
+                          "{{ ns.s|length }}"),
+    "replace filter": "{% set s = 'x' * 6000 %}{{ (s|replace('x', s))|length }}",
+    "replace method": "{% set s = 'x' * 6000 %}{{ s.replace('x', s)|length }}",
     "nested ranges": (f"{{% for i in range({STEPS_OVER}) %}}{{% for j in range(1000) %}}"
                       "{% endfor %}{% endfor %}"),
 }
@@ -59,8 +72,11 @@ def test_the_bounds_leave_real_templates_alone() -> None:
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert text.count("<|im_start|>") == 5001
     assert ChatTemplate("{{ '%05d'|format(42) }}{{ '{:>4}'.format(7) }}{{ 'ab' * 3 }}"
-                        "{{ 'x'|center(5) }}{{ 2 ** 10 }}", {}).render(HELLO) == \
-        "00042   7ababab  x  1024"
+                        "{{ 'x'|center(5) }}{{ 2 ** 10 }}{{ 'a' ~ 1 ~ none }}{{ 'b' + 'c' }}"
+                        "{{ (['d'] + ['e'])|join('/') }}{{ 'fg'|replace('f', 'h') }}"
+                        "{{ '-'.join(['i', 'j']) }}{{ 'kk'.replace('k', 'l') }}{{ 1 + 2 }}",
+                        {}).render(HELLO) == "00042   7ababab  x  1024a1Nonebcd/ehg" \
+        "i-jll3"
 
 
 def test_the_budget_is_per_render() -> None:
