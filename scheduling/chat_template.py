@@ -83,8 +83,12 @@ def _check_format(spec: str, star: bool) -> None:
 
 
 def _size(value: object) -> int | None:
-    """The length of what repeating ``value`` repeats (a string, list or tuple), else None."""
-    return len(value) if isinstance(value, (str, list, tuple)) else None
+    """What ``value`` weighs against :data:`MAX_RENDERED_CHARS`: a string its length, a list or
+    tuple 8 per item (an item costs a pointer: 8 bytes, as much as 8 ASCII characters); None
+    for anything else."""
+    if isinstance(value, str):
+        return len(value)
+    return 8 * len(value) if isinstance(value, (list, tuple)) else None
 
 
 def _checked(result: Any) -> Any:
@@ -182,14 +186,18 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         """Sandboxed ``obj.attribute``, one step; ``str.format`` with a bounded format."""
-        self.step()
+        self.steps_left -= 1  # inline: the hooks run several times per message
+        if self.steps_left < 0:
+            self.step(0)
         if isinstance(obj, str) and attribute in ("format", "format_map"):
             _check_format(obj, star=False)
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         """Sandboxed ``obj[argument]``, one step."""
-        self.step()
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            self.step(0)
         return super().getitem(obj, argument)
 
     def call(__self, __context: Any, __obj: Any, *args: Any,  # Jinja's signature
@@ -217,9 +225,17 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return "".join(parts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        """``*``, ``%`` and ``**``, one step, refused when the result would exceed the bound."""
-        self.step()
+        """``+``, ``*``, ``%`` and ``**``, one step, refused when the result would exceed the
+        bound."""
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            self.step(0)
         if operator == "+":
+            # Templates add strings a few times per message: the common case kept short (the
+            # sandbox's own call_binop is this same operator.add).
+            if (type(left) is str and type(right) is str
+                    and len(left) + len(right) <= MAX_RENDERED_CHARS):
+                return left + right
             left_size, right_size = _size(left), _size(right)
             if (left_size is not None and right_size is not None
                     and left_size + right_size > MAX_RENDERED_CHARS):
