@@ -17,7 +17,7 @@ import msgspec
 from recording.records import ReadCounts, Registry, find_records
 from recording.rerun import Rerunner, recorded_policy, scheduling_request
 from scheduling import Decision, PolicyConfigError
-from scheduling.record import DecisionRecord, OutcomeRecord
+from scheduling.record import DecisionRecord, OutcomeRecord, recorded_request_id
 from shared.schemas import PolicyConfig
 
 
@@ -54,6 +54,8 @@ def find(source: BinaryIO, request_id: str,
     """The decisions recorded for ``request_id`` in ``source`` (positioned after its header),
     in file order, each re-run with ``explain=True``; :class:`~recording.fileformat.
     RecordingError` on a truncated or corrupt file."""
+    # Cut as the picker cut the header (a longer id, or one with bytes that are not UTF-8).
+    request_id = recorded_request_id(request_id.encode("utf-8", "surrogateescape"))
     registry = Registry()
     found: list[RecordedDecision] = []
     by_key: dict[tuple[str, str, int], RecordedDecision] = {}

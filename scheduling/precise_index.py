@@ -396,6 +396,10 @@ class PreciseIndex:
 
     # --- membership ------------------------------------------------------------------------
 
+    def pods(self) -> list[str]:
+        """The pods the index knows something of (events or speculation)."""
+        return list(self._pods)
+
     def forget(self, pod: str) -> None:
         """``pod`` left the pool: drop everything known of it."""
         entry = self._pods.pop(pod, None)

@@ -8,8 +8,9 @@ Each implements :class:`scheduling.token_blocks.PromptTokenizer`. What they agre
   ``/v1/completions``); chat messages are rendered with the chat template and tokenized without
   adding any (vLLM's default for chat: the template writes them).
 - None when the request cannot be tokenized as the engine would: chat without a template,
-  non-text content parts (images, audio), a template that refuses the messages, text the
-  tokenizer rejects. The router then uses the approximate index for that request.
+  non-text content parts (images, audio), a template that refuses the messages or passes a
+  bound of :mod:`scheduling.chat_template`, more than :data:`MAX_CHAT_MESSAGES` messages for a
+  template, text the tokenizer rejects. The router then uses the approximate index for that request.
 
 Two kinds, chosen by :func:`load_prompt_tokenizer`:
 
@@ -55,6 +56,9 @@ BUILTINS = (BUILTIN_SIM,)
 DEFAULT_CACHE_TOKENS = 4_000_000  # 16 MB of token ids (4 bytes each) per pool
 DEFAULT_CACHE_ENTRIES = 65_536
 DEFAULT_MAX_TOKENS = 65_536  # the router looks up 2,048 blocks at most: 32 tokens each
+# Chat with more messages falls back unrendered: a template's loop costs each message (~4 us for
+# ChatML), and a 32 MiB body holds a million tiny ones; real conversations stay far below.
+MAX_CHAT_MESSAGES = 8_192
 
 _hash128 = xxhash.xxh3_128_intdigest
 
@@ -437,7 +441,7 @@ class HFTokenizer(_Tokenizer):
         return [{"role": role, "content": content_text(content)} for role, content in turns]
 
     def _chat(self, turns: list[tuple[str, Content]]) -> array.array[int] | None:
-        if self.template is None:
+        if self.template is None or len(turns) > MAX_CHAT_MESSAGES:
             return None
         try:
             rendered = self.template.render(self._template_messages(turns))

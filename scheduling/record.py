@@ -16,6 +16,17 @@ import msgspec
 from scheduling.types import PodView
 from shared.schemas import SCHEMA_VERSION, Criticality
 
+MAX_REQUEST_ID = 200
+"""Bytes of a request id kept in records: a client may send its own ``x-request-id``, of any
+length."""
+
+
+def recorded_request_id(raw: bytes) -> str:
+    """``raw`` (an ``x-request-id`` header's bytes) as records keep it: its first
+    :data:`MAX_REQUEST_ID` bytes, invalid UTF-8 replaced. ``lig explain --recording`` cuts the
+    id it is given the same way, so a longer id still finds its records."""
+    return raw[:MAX_REQUEST_ID].decode(errors="replace")
+
 
 class DecisionRecord(msgspec.Struct, frozen=True, array_like=True, tag="d"):
     """One scheduling decision.

@@ -9,6 +9,8 @@ replay: the subscriber must drop what it knows of the pod (``ops`` starts with
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -28,7 +30,8 @@ class KVBlockChanges(msgspec.Struct, frozen=True):
     """vLLM's sequence number of the batch; -1 for a marker the consumer made itself."""
     ts: float
     ops: list[Op]
-    dp_rank: int = 0
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+    """The data-parallel rank (0..65,535, as ``lig kv-events`` accepts them from vLLM)."""
     resync: bool = False
     schema: int = SCHEMA_VERSION
 

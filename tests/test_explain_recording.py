@@ -13,7 +13,7 @@ import pytest
 
 from lig.cli import main
 from recording.fileformat import Entry, FileHeader, Kind, Writer
-from scheduling.record import DecisionRecord, OutcomeRecord, RecordBatch
+from scheduling.record import DecisionRecord, OutcomeRecord, RecordBatch, recorded_request_id
 from shared.schemas import PolicyConfig
 from tests.support.recorded_decisions import (
     START_NS,
@@ -175,3 +175,27 @@ def test_a_record_that_does_not_decode_is_skipped_and_counted(tmp_path: Path, ca
     code, out, err = explain(capsys, "--recording", str(path), "--request-id", "req-broken")
     assert (code, out) == (1, "")
     assert "(2 decisions read, 1 undecodable records or batches skipped)" in err
+
+
+@pytest.mark.parametrize("sent", ["\u00e9" * 150 + "-tail", "x" * 199 + "\u00e9"],
+                         ids=["longer than kept", "cut inside a character"])
+def test_an_id_longer_than_records_keep_still_finds_its_decision(
+        tmp_path: Path, capsys, sent: str) -> None:
+    """The picker keeps an x-request-id's first 200 bytes (scheduling.record.
+    recorded_request_id); the id the client sent, quoted whole, finds its record."""
+    kept = recorded_request_id(sent.encode())
+    assert kept != sent
+    record = Recorder(PolicyConfig("random")).decide(msgspec.structs.replace(
+        random_record(random.Random(3), 0, START_NS, "random",
+                      random_view(random.Random(4), 3)), request_id=kept))
+    path = tmp_path / "one.ligrec"
+    with path.open("wb") as out:
+        writer = Writer(out, FileHeader(created_ns=START_NS, from_ns=START_NS,
+                                        to_ns=START_NS + 1, prefix="lig", pool=None,
+                                        source="test"))
+        writer.add(Kind.DECISION, Entry(START_NS, "records.chat", msgspec.msgpack.encode(
+            RecordBatch(picker="p", pool="chat", sent_at_ns=START_NS, records=[record]))))
+        writer.close()
+    code, out, err = explain(capsys, "--recording", str(path), "--request-id", sent)
+    assert (code, err) == (0, "")
+    assert f"pick: {record.pick}" in out

@@ -178,3 +178,55 @@ def test_the_sink_applies_good_messages_and_counts_bad_ones() -> None:
     assert skipped == ["undecodable", "pool", "address"]
     assert fleet.router.precise.event_pods() == {"pod-0"}
     assert len(fleet.router.precise) == 2
+
+
+def test_a_flood_for_pods_the_registry_does_not_list_is_skipped() -> None:
+    """Once the registry named the pool's members, changes of other pods are counted and
+    dropped: a flood of invented pod names neither grows the index nor slows every lookup."""
+    fleet = prefix_fleet(2)
+    skipped: list[str] = []
+    sink = KVBlocksSink(lambda pool: (fleet.router.precise, fleet.pods) if pool == POOL
+                        else None, on_skip=skipped.append)
+    ids = chat_ids(SYSTEM, "q")
+    for number in range(500):
+        sink.accept(f"lig.kvblocks.p.ghost-{number}", encode(KVBlockChanges(
+            POOL, f"ghost-{number}", f"10.0.0.{number % 250}:1", number % 7, 0.0,
+            [BlockStored((number,), None, tuple(ids[:BS]), BS)])))
+    assert skipped == ["unknown"] * 500
+    assert fleet.router.precise.event_pods() == set()
+    assert fleet.router.precise.pods() == []
+    assert len(fleet.router.precise) == 0
+
+
+def test_changes_that_came_before_the_registry_are_kept_for_members_only() -> None:
+    """Before the registry is read (a recording replayed at start-up) every pod's changes are
+    applied; the first membership drops the pods that are not members, long-gone ones too."""
+    fleet = Fleet()
+    sink = KVBlocksSink(lambda pool: (fleet.router.precise, fleet.pods) if pool == POOL
+                        else None)
+    ids = chat_ids(SYSTEM, "q")
+    for pod in ("pod-0", "gone-long-ago"):
+        sink.accept(f"lig.kvblocks.p.{pod}", encode(KVBlockChanges(
+            POOL, pod, "127.0.0.1:8001", 0, 0.0,
+            [BlockStored((1,), None, tuple(ids[:BS]), BS)])))
+    assert fleet.router.precise.event_pods() == {"pod-0", "gone-long-ago"}
+    fleet.pod("pod-0", 8001)
+    assert fleet.router.precise.event_pods() == {"pod-0"}
+    assert fleet.router.precise.pods() == ["pod-0"]
+    assert len(fleet.router.precise) == 1
+
+
+def test_changes_of_an_impossible_rank_are_undecodable() -> None:
+    """vLLM's data-parallel ranks are what lig kv-events accepts from it (0..65,535): a message
+    naming another is garbage, not a new rank kept forever in the index."""
+    fleet = prefix_fleet(1)
+    skipped: list[str] = []
+    sink = KVBlocksSink(lambda pool: (fleet.router.precise, fleet.pods) if pool == POOL
+                        else None, on_skip=skipped.append)
+    for rank in (-1, 1 << 16, 1 << 40):
+        sink.accept("lig.kvblocks.p.pod-0", encode(KVBlockChanges(
+            POOL, "pod-0", "127.0.0.1:8001", 0, 0.0, [], dp_rank=rank)))
+    sink.accept("lig.kvblocks.p.pod-0", encode(KVBlockChanges(
+        POOL, "pod-0", "127.0.0.1:8001", 0, 0.0, [], dp_rank=(1 << 16) - 1)))
+    assert skipped == ["undecodable"] * 3
+    assert fleet.router.precise.stats.messages == 1

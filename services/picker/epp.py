@@ -21,13 +21,14 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from scheduling.record import recorded_request_id
+
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 REQUEST_ID_HEADER = "x-request-id"
-MAX_REQUEST_ID = 200  # characters kept: a client may send its own id, of any length
 
 
 def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
@@ -71,10 +72,9 @@ def objective(headers: pb.HttpHeaders) -> str | None:
 
 
 def request_id(headers: pb.HttpHeaders) -> str:
-    """The request's ``x-request-id`` (at most :data:`MAX_REQUEST_ID` characters; "" when
-    absent)."""
+    """The request's ``x-request-id`` as records keep it (:func:`~scheduling.record.
+    recorded_request_id`: at most 200 bytes); "" when absent."""
     for header in headers.headers.headers:
         if header.key == REQUEST_ID_HEADER:
-            value = header.raw_value or header.value.encode()
-            return value[:MAX_REQUEST_ID].decode(errors="replace")
+            return recorded_request_id(header.raw_value or header.value.encode())
     return ""

@@ -8,9 +8,12 @@ per subject: vLLM announces a block once, when it enters the cache, so a picker 
 pods would otherwise never learn the blocks they already hold (a hot system prompt, say). Without
 the recording (or the right to read it) it subscribes to the live messages only, and says so.
 
-Messages that do not decode (garbage, another schema version), of a pool not served, or about a
-pod the registry lists at another address are counted and skipped (logged, rate-limited), never
-raised. Nothing is checked against the subject: the payload names its pool and pod.
+Messages that do not decode (garbage, another schema version), of a pool not served, about a
+pod the registry lists at another address, or (once the registry named the pool's members) about
+a pod it does not list are counted and skipped (logged, rate-limited), never raised. Changes
+that arrive before the registry is read (a recording replayed at start-up) are applied; the
+router then drops the pods that are not members. Nothing is checked against the subject: the
+payload names its pool and pod.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class KVBlocksSink:
     """Decodes one message into its pool's precise index; the part of the feed without a
     network. ``index_of(pool)`` is the pool's (index, pod table), or None for a pool not served
     (or whose precise index is off). ``on_skip(reason)`` counts a message skipped: ``undecodable``,
-    ``pool`` (not served) or ``address`` (the pod is registered elsewhere)."""
+    ``pool`` (not served), ``address`` (the pod is registered elsewhere) or ``unknown`` (the
+    pod is not a member)."""
 
     def __init__(self, index_of: Callable[[str], tuple[PreciseIndex, PodTable] | None],
                  on_skip: Callable[[str], None] = lambda reason: None) -> None:
@@ -62,6 +66,12 @@ class KVBlocksSink:
             return
         index, pods = found
         registered = pods.registered_address(changes.pod)
+        if registered is None and pods.members_known:
+            # Not a member: a pod gone (its last events in flight) or a forged name. Applied,
+            # it would stay in the index (only members leaving are forgotten), take blocks from
+            # the members at the bound, and cost every lookup a pass over it.
+            self._skip("unknown", subject, f"pod {changes.pod!r} is not a member of the pool")
+            return
         if registered is not None and registered != changes.address:
             self._skip("address", subject, f"pod {changes.pod!r} is registered at "
                        f"{registered}, not {changes.address}")

@@ -116,7 +116,8 @@ class PickerMetrics:
         prometheus.register(self.load_estimate)
         self.kv_blocks_skipped = Counter(
             "lig_picker_kv_blocks_skipped", "KV block-change messages from NATS skipped, by "
-            "reason (undecodable, pool: not served, address: the pod is registered elsewhere)",
+            "reason (undecodable, pool: not served, address: the pod is registered elsewhere, "
+            "unknown: the pod is not a member)",
             ["reason"], registry=prometheus)
         self.precise = PreciseIndexCollector()
         prometheus.register(self.precise)

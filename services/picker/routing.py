@@ -298,9 +298,13 @@ class Router:
             endpoint_set = view.endpoints.get(name)
             before = {endpoint.name for endpoint in self.pods.endpoints}
             self.pods.set_endpoints(endpoint_set.endpoints if endpoint_set is not None else ())
-            for gone in before.difference(endpoint.name for endpoint in self.pods.endpoints):
+            members = {endpoint.name for endpoint in self.pods.endpoints}
+            for gone in before.difference(members):
                 self.prefixes.forget(gone)
-                self.precise.forget(gone)
+            # Every non-member, not only those that just left: changes applied before the
+            # registry was read (a replayed recording) may name pods long gone.
+            for stranger in set(self.precise.pods()).difference(members):
+                self.precise.forget(stranger)
 
     def _take_pool(self, pool: InferencePool | None) -> None:
         self._pool = pool

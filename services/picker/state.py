@@ -61,6 +61,7 @@ class PodTable:
         self._entries: dict[str, _PodEntry] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_list: tuple[Endpoint, ...] = ()
+        self._members_known = False
         self._in_flight: dict[str, int] = {}  # this picker's and its peers' requests
         self._peer_in_flight: dict[str, int] = {}  # the peers' part of it
         self._unreported = UnreportedLoad(load_estimate)
@@ -74,9 +75,16 @@ class PodTable:
         """The pool's current members, as the registry published them."""
         return self._endpoint_list
 
+    @property
+    def members_known(self) -> bool:
+        """Whether the registry has named the members yet (:meth:`set_endpoints` was called,
+        even with none): until then a pod not listed may just not be read yet."""
+        return self._members_known
+
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """Replace the members; snapshots of pods no longer members are forgotten, and so are
         snapshots whose address is not the member's (see :meth:`address_matches`)."""
+        self._members_known = True
         self._endpoint_list = tuple(endpoints)
         self._endpoints = {endpoint.name: endpoint for endpoint in self._endpoint_list}
         for name in [name for name, entry in self._entries.items()
