@@ -22,7 +22,7 @@ any string, list or number it builds stay under :data:`MAX_RENDERED_CHARS` (repe
 concatenations, joins, replaces, widths and counts are checked before they are built; what a
 filter or method returns, after), and it may take :data:`MAX_RENDER_STEPS` steps (attribute and
 item reads, calls, operators, concatenations, items of ``range``). A render over a bound raises
-``jinja2.sandbox.SecurityError`` like any template error: the request falls back to the
+``jinja2.exceptions.SecurityError`` like any template error: the request falls back to the
 approximate index. Not bounded: loops nested over the request's own lists (``messages`` within
 ``messages``) that do nothing in their body, which cost the square of the request's size and no
 step.
@@ -40,6 +40,7 @@ from typing import Any
 
 import jinja2
 import jinja2.compiler
+import jinja2.exceptions
 import jinja2.ext
 import jinja2.filters
 import jinja2.nodes
@@ -62,8 +63,8 @@ _FORMAT_NUMBER = re.compile(r"\d+")
 _MAX_POWER_BITS = 65_536
 
 
-def _refuse(what: str) -> jinja2.sandbox.SecurityError:
-    return jinja2.sandbox.SecurityError(f"chat template over its bound: {what}")
+def _refuse(what: str) -> jinja2.exceptions.SecurityError:
+    return jinja2.exceptions.SecurityError(f"chat template over its bound: {what}")
 
 
 def _check_number(value: object) -> None:
