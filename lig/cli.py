@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         # do; what is still buffered goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C in a long command: one line, not a traceback
+        print(f"lig {top.command}: interrupted", file=sys.stderr)
+        return 130
     except ServiceError as error:
         print(f"lig {top.command}: {error}", file=sys.stderr)
         return error.exit_code

@@ -65,9 +65,6 @@ def run_recorded(path: Path, request_id: str, as_json: bool) -> int:
     except RecordingError as exc:
         print(f"lig explain: {path}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a long file: Ctrl-C ends it with a line, not a traceback
-        print("lig explain: interrupted", file=sys.stderr)
-        return 130
     if not found:
         skipped = (f", {counts.undecodable} undecodable records or batches skipped"
                    if counts.undecodable else "")

@@ -63,9 +63,6 @@ def run(args: argparse.Namespace, source: BinaryIO, header: FileHeader) -> int:
     except RecordingError as exc:
         print(f"lig replay: {args.file}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a long file: Ctrl-C ends it with a line, not a traceback
-        print("lig replay: interrupted", file=sys.stderr)
-        return 130
     if args.json:
         print(msgspec.json.encode(report).decode())
     else:
