@@ -7,14 +7,13 @@ checks against the names and defaults defined here.
 
 from __future__ import annotations
 
-import socket
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
+from lig.port_leases import PortLeases, bindable
 from lig.server_binaries import server_binary
 from lig.stack_config import SimulatedPool
 from lig.supervisor import ChildSpec
@@ -104,80 +103,38 @@ def default_ports(pickers: int, gateway: int = DEFAULT_GATEWAY_PORT) -> Ports:
     )
 
 
-@contextmanager
-def _held_port(port: int = 0) -> Iterator[int]:
-    """Bind ``port`` (0: any) on loopback and hold it, so that no two picks collide.
+def free_ports(leases: PortLeases, pickers: int, pods: int,
+               gateway: int = DEFAULT_GATEWAY_PORT, other_pods: Sequence[int] = ()) -> Ports:
+    """A layout of free ports from ``leases`` (the simulated pods' ports consecutive).
 
-    SO_REUSEADDR, as every server sets it: connections of an earlier run lingering in TIME_WAIT
-    do not make a port busy, a listener does.
+    The ports stay leased (no other leasing process gets them) while ``leases`` lives, so keep
+    it until every child has bound its port. The KV-event offsets put the event and replay
+    sockets of every simulated pod on leased ports: the ``pods`` allocated here and those
+    serving on ``other_pods`` (pools whose configuration lists their ports, never handed out).
     """
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK, port))
-        yield sock.getsockname()[1]
+    leases.avoid([gateway, *other_pods])
+    sim_base = leases.take_consecutive(max(pods, 1))
+    simulated = [*range(sim_base, sim_base + pods), *other_pods]
+    events = _leased_offset(simulated, leases) if simulated else KV_EVENTS_OFFSET
+    replay = _leased_offset(simulated, leases) if simulated else KV_REPLAY_OFFSET
+    take = leases.take
+    return Ports(
+        gateway=gateway, envoy_admin=take(), nats=take(), registry_metrics=take(),
+        collector_metrics=take(), sim_base=sim_base,
+        pickers=tuple(PickerPorts(take(), take(), take()) for _ in range(pickers)),
+        kv_events_metrics=take(), kv_events_offset=events, kv_replay_offset=replay,
+    )
 
 
-def free_ports(pickers: int, pods: int, gateway: int = DEFAULT_GATEWAY_PORT,
-               other_pods: Sequence[int] = ()) -> Ports:
-    """A layout of ports that are free right now (the simulated pods' ports consecutive).
-
-    The KV-event offsets put the event and replay sockets of every simulated pod on free ports:
-    the ``pods`` allocated here and those serving on ``other_pods`` (pools whose configuration
-    lists their ports)."""
-    with ExitStack() as held:
-        def take() -> int:
-            return held.enter_context(_held_port())
-
-        sim_base = _free_range(pods, held)
-        simulated = [*range(sim_base, sim_base + pods), *other_pods]
-        for port in other_pods:  # so that no offset lands on a pod's own port
-            with suppress(OSError):  # busy: `lig up` names it (ports_in_use) before starting
-                held.enter_context(_held_port(port))
-        events = _free_offset(simulated, held) if simulated else KV_EVENTS_OFFSET
-        replay = _free_offset(simulated, held) if simulated else KV_REPLAY_OFFSET
-        return Ports(
-            gateway=gateway, envoy_admin=take(), nats=take(), registry_metrics=take(),
-            collector_metrics=take(), sim_base=sim_base,
-            pickers=tuple(PickerPorts(take(), take(), take()) for _ in range(pickers)),
-            kv_events_metrics=take(), kv_events_offset=events, kv_replay_offset=replay,
-        )
-
-
-def _free_range(count: int, held: ExitStack) -> int:
-    """The first of ``count`` consecutive free ports, held in ``held``."""
-    return _free_offset(list(range(count)), held)
-
-
-def _free_offset(ports: list[int], held: ExitStack) -> int:
-    """An offset that moves every one of ``ports`` onto a free port (all held in ``held``)."""
-    first = min(ports, default=0)
-    for _ in range(200):
-        with _held_port() as base:
-            pass
-        offset = base - first
-        if max(ports, default=0) + offset > 65535:
-            continue
-        try:
-            with ExitStack() as trial:
-                for port in ports:
-                    trial.enter_context(_held_port(port + offset))
-                held.enter_context(trial.pop_all())
-                return offset
-        except OSError:
-            continue
-    raise RuntimeError(f"found no {len(ports)} free ports in the layout {ports}")
+def _leased_offset(ports: list[int], leases: PortLeases) -> int:
+    """An offset that moves every one of ``ports`` onto a leased free port."""
+    first = min(ports)
+    return leases.take_consecutive(max(ports) - first + 1) - first
 
 
 def ports_in_use(ports: list[int]) -> list[int]:
     """Those of ``ports`` that something on loopback already listens on or holds."""
-    busy = []
-    for port in ports:
-        try:
-            with _held_port(port):
-                pass
-        except OSError:
-            busy.append(port)
-    return busy
+    return [port for port in ports if not bindable(port)]
 
 
 class StackPlan(msgspec.Struct, frozen=True):

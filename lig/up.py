@@ -22,6 +22,7 @@ from pathlib import Path
 
 from envoy_bootstrap import render_envoy_config
 from lig import readiness, stack_config
+from lig.port_leases import NoFreePorts, PortLeases
 from lig.server_binaries import LOCAL_EXTRA_INSTALL
 from lig.supervisor import ChildSpec, Supervisor
 from lig.topology import (
@@ -114,10 +115,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan, start, wait until ready, then run until Ctrl-C/SIGTERM or a child dies."""
+    # The --free-ports leases are held until lig up ends: no other `lig up --free-ports` (or
+    # parallel test worker) is handed the same ports while the children bind them.
+    with PortLeases() as leases:
+        return _run(args, leases)
+
+
+def _run(args: argparse.Namespace, leases: PortLeases) -> int:
     try:
-        plan, registry = make_plan(args)
+        plan, registry = make_plan(args, leases)
         children = plan.children()  # finds the nats-server and envoy binaries
-    except (stack_config.ConfigError, InvalidRegistry, FileNotFoundError, ValueError) as exc:
+    except (stack_config.ConfigError, InvalidRegistry, FileNotFoundError, ValueError,
+            NoFreePorts) as exc:
         print(f"lig up: {exc}", file=sys.stderr)
         return EXIT_BAD_USAGE
     busy = ports_in_use(planned_ports(plan))
@@ -130,8 +139,13 @@ def run(args: argparse.Namespace) -> int:
     return run_service(partial(_up, plan, children, registry, args.verbose, args.ready_timeout))
 
 
-def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
-    """Decide ports, files and commands; write the generated configuration files."""
+def make_plan(args: argparse.Namespace,
+              leases: PortLeases | None = None) -> tuple[StackPlan, Registry]:
+    """Decide ports, files and commands; write the generated configuration files.
+
+    ``--free-ports`` takes its ports from ``leases``, which must outlive the children."""
+    if args.free_ports and leases is None:
+        raise ValueError("--free-ports needs port leases (lig.port_leases.PortLeases)")
     if args.pods < 1 or args.pickers < 1:
         raise ValueError("--pods and --pickers must be at least 1")
     if args.response_timeout <= 0:
@@ -143,9 +157,10 @@ def make_plan(args: argparse.Namespace) -> tuple[StackPlan, Registry]:
     pools = stack_config.choose_pools(registry, args.pool)
     pool = pools[0]
     configured = [] if simulate else stack_config.simulated_pools(config_path, registry, pools)
-    ports = (free_ports(args.pickers, args.pods if simulate else 0, args.port,
+    ports = (free_ports(leases, args.pickers, args.pods if simulate else 0, args.port,
                         [pod.port for sim in configured for pod in sim.pods])
-             if args.free_ports else default_ports(args.pickers, args.port))
+             if leases is not None and args.free_ports
+             else default_ports(args.pickers, args.port))
     state_dir.mkdir(parents=True, exist_ok=True)
 
     override = None

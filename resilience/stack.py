@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import io
 import signal
-import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import msgspec
 
 from lig import readiness, up
+from lig.port_leases import PortLeases
 from lig.supervisor import Child, ChildSpec, Supervisor
 from lig.topology import LOOPBACK, StackPlan
 from resilience.procinfo import pid_listening_on
@@ -54,13 +54,6 @@ def attach(gateway: str, picker_ports: list[int], picker_metrics: list[str]) -> 
                picker_metrics[i] if i < len(picker_metrics) else None)
         for i, port in enumerate(picker_ports))
     return Target(gateway.rstrip("/"), pickers)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 class OwnedStack:
@@ -115,12 +108,12 @@ class OwnedStack:
                                                     asyncio.Event(), within)
 
 
-def _plan_args(state_dir: Path, pods: int, pickers: int, sim_args: str,
+def _plan_args(state_dir: Path, gateway: int, pods: int, pickers: int, sim_args: str,
                response_timeout: float) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     up.configure(parser)
     return parser.parse_args([
-        "--free-ports", "--port", str(free_port()), "--state-dir", str(state_dir),
+        "--free-ports", "--port", str(gateway), "--state-dir", str(state_dir),
         "--pods", str(pods), "--pickers", str(pickers), "--sim-args", sim_args,
         "--response-timeout", str(response_timeout), "--log-level", "WARNING",
     ])
@@ -157,8 +150,9 @@ async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
         if state_dir is None:
             state_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(
                 prefix="lig-resilience-")))
-        plan, _ = up.make_plan(_plan_args(state_dir, pods, pickers, sim_args,
-                                             response_timeout))
+        leases = cleanup.enter_context(PortLeases())  # held until every child is gone
+        plan, _ = up.make_plan(_plan_args(state_dir, leases.take(), pods, pickers, sim_args,
+                                          response_timeout), leases)
         supervisor = Supervisor(state_dir / "logs")
         stack = OwnedStack(plan, supervisor)
         try:

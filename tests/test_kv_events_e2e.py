@@ -28,8 +28,8 @@ from shared.schemas import InferencePool
 from shared.subjects import Subjects
 from simulator import tokenizer
 from tests.support.collector import pod, put_pool, registry_bucket
-from tests.support.ports import free_port
-from tests.support.simulator import REPO_ROOT, SimulatedPods, free_port_range
+from tests.support.ports import free_port, free_port_range
+from tests.support.simulator import REPO_ROOT, SimulatedPods
 from tests.support.waiting import eventually
 
 SUBJECTS = Subjects()

@@ -28,6 +28,7 @@ from shared.nats_connection import NatsSettings, add_nats_arguments, settings_fr
 from shared.replication import cluster_size, replication_warning, warn_about_replication
 from shared.subjects import Subjects
 from tests.support.nats_cluster import NatsCluster
+from tests.support.ports import LEASES
 from tests.support.registry_yaml import dump, model, pool
 
 SUBJECTS = Subjects()
@@ -162,7 +163,7 @@ async def test_lig_up_registry_probe_waits_while_the_bucket_has_no_leader(
     when the R3 bucket had no leader yet; the probe now just reports "not ready"."""
     args = argparse.Namespace(**{**vars(up_parser().parse_args([])), "state_dir": tmp_path,
                                  "free_ports": True, "nats_url": nats_cluster.url})
-    plan, registry = make_plan(args)
+    plan, registry = make_plan(args, LEASES)
     await Publisher(cluster_client.jetstream(), SUBJECTS.registry_bucket, replicas=3).publish(
         registry)
     async with httpx.AsyncClient() as http:

@@ -3,6 +3,7 @@ anyone remembering to, and a unit test that reaches for a socket or a process fa
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -70,14 +71,26 @@ def test_stays_in_process():
 '''
 
 
-def run_pytest(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+PLOTS = '''
+import matplotlib
+
+def test_plots_a_figure(tmp_path):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.plot([1, 2])
+    plt.savefig(tmp_path / "plot.png")
+'''
+
+
+def run_pytest(directory: Path, *args: str,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """pytest on ``directory`` with this project's marker plugin and NATS fixtures loaded."""
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.support.process_marker",
          "-p", "tests.support.nats_server", "-p", "no:cacheprovider", "--strict-markers",
          "-o", "asyncio_mode=auto", "-o", "addopts=", "--rootdir", str(directory), *args,
          str(directory)],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
 
 
 def write(directory: Path, files: dict[str, str]) -> None:
@@ -109,3 +122,18 @@ def test_a_unit_test_that_reaches_out_fails_naming_the_marker(tmp_path: Path) ->
     assert "starting a process in a test not marked 'process'" in result.stdout
     assert "socket.connect in a test not marked 'process'" in result.stdout
     assert "mark it @pytest.mark.process" in result.stdout
+
+
+def test_a_unit_test_plots_on_a_machine_that_never_plotted(tmp_path: Path) -> None:
+    """matplotlib's first import on a machine builds its font cache with ``fc-list`` (a
+    process); the session does that before the unit tests' sandbox, so a new CI machine passes
+    like a warm one. Here a fresh ``MPLCONFIGDIR`` stands for the new machine."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    write(tests, {"test_plots.py": PLOTS})
+    config = tmp_path / "matplotlib-config"
+    result = run_pytest(tests, "-q", "-m", "not process",
+                        env={**os.environ, "MPLCONFIGDIR": str(config)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout, result.stdout
+    assert list(config.glob("fontlist-*.json")), "the font cache was not built"

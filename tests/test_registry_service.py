@@ -30,7 +30,7 @@ from shared.nats_connection import NatsSettings, connect
 from shared.schemas import EndpointSet, InferenceModel, decode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer
-from tests.support.ports import free_port
+from tests.support.ports import LEASES, free_port
 from tests.support.registry_yaml import dump, model, pool
 
 BUCKET = Subjects().registry_bucket
@@ -481,7 +481,7 @@ async def test_lig_up_registry_with_free_ports_publishes_the_pods_and_edits_to_t
     up.configure(parser)
     plan, _ = up.make_plan(parser.parse_args([
         "--free-ports", "--pods", "2", "--nats-url", nats_server.url,
-        "--state-dir", str(tmp_path / "state")]))
+        "--state-dir", str(tmp_path / "state")]), LEASES)
     [spec] = [child for child in plan.children() if child.name == "registry"]
     process, log = spawn(tmp_path, spec.argv)  # the very command `lig up` runs
     pool_name = plan.pool

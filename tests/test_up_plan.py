@@ -29,6 +29,7 @@ from shared.schemas import DEFAULT_POLICY_NAME, Endpoint, PolicyConfig
 from simulator.kv_events import bind_address, parse_config
 from tests.support.cli import parse_command
 from tests.support.hf_tokenizer import write_tokenizer
+from tests.support.ports import LEASES
 
 
 def up_args(*argv: str) -> argparse.Namespace:
@@ -38,7 +39,7 @@ def up_args(*argv: str) -> argparse.Namespace:
 
 
 def test_free_ports_are_distinct_bindable_and_the_pods_consecutive() -> None:
-    ports = free_ports(pickers=3, pods=5, gateway=18081)
+    ports = free_ports(LEASES, pickers=3, pods=5, gateway=18081)
     listed = [ports.envoy_admin, ports.nats, ports.registry_metrics, ports.collector_metrics,
               *(p for picker in ports.pickers for p in (picker.grpc, picker.health,
                                                         picker.metrics)),
@@ -81,7 +82,7 @@ def test_the_example_is_served_by_the_base_model_and_three_adapters() -> None:
 def test_simulated_pods_on_free_ports_override_the_endpoints_and_the_registry_reads_the_example(
         tmp_path: Path) -> None:
     plan, _ = up.make_plan(up_args("--free-ports", "--pods", "3",
-                                   "--state-dir", str(tmp_path / "state")))
+                                   "--state-dir", str(tmp_path / "state")), LEASES)
     # The registry watches the user's folder itself, so edits there are live...
     assert plan.registry_paths == [str(EXAMPLE_CONFIG)]
     [registry] = [child for child in plan.children() if child.name == "registry"]
@@ -207,7 +208,7 @@ def test_kv_events_finds_every_simulated_pod_where_it_publishes(
         tmp_path: Path, config: Path | None, free: bool) -> None:
     argv = ["--state-dir", str(tmp_path), *(["--free-ports"] if free else []),
             *(["--config", str(config)] if config else [])]
-    plan, _ = up.make_plan(up_args(*argv))
+    plan, _ = up.make_plan(up_args(*argv), LEASES)
     settings = kv_events_of(plan)
     published = published_ports(plan)
     assert sorted(published) == sorted(pod.port for pod in plan.pods)
@@ -265,7 +266,7 @@ def test_event_ports_outside_the_port_range_are_refused_before_starting(
 def test_the_chaos_tools_one_sim_per_pod_publish_on_their_own_pods_ports(
         tmp_path: Path) -> None:
     plan, _ = up.make_plan(up_args("--free-ports", "--pods", "3",
-                                   "--state-dir", str(tmp_path)))
+                                   "--state-dir", str(tmp_path)), LEASES)
     split = [spec for spec in _one_sim_per_pod(plan.children(), plan)
              if spec.name.startswith("sim-")]
     settings = kv_events_of(plan)

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lig.status import PICKER_REQUESTS_FAMILY
 from lig.topology import EXAMPLE_CONFIG, StackInfo, free_ports
 from tests.support.lig_up import REPO, lig_up
+from tests.support.ports import LEASES
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -29,7 +30,7 @@ POD_PREFIX = {"llama-8b": "llama-", "qwen-32b": "qwen-"}
 def _example_on_free_ports(folder: Path) -> Path:
     text = (EXAMPLE / "pools.yaml").read_text()
     for first in (8000, 8010):
-        base = free_ports(pickers=0, pods=2, gateway=0).sim_base
+        base = free_ports(LEASES, pickers=0, pods=2, gateway=0).sim_base
         for offset in range(2):
             text = text.replace(f"port: {first + offset}}}", f"port: {base + offset}}}")
     folder.mkdir()

@@ -14,6 +14,7 @@ fails it, so a process-level test cannot be counted as a unit test without anyon
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -87,6 +88,18 @@ def uses_process_fixture(item: pytest.Item) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     """Register the marker (pyproject registers it too; this keeps the plugin self-contained)."""
     config.addinivalue_line("markers", f"{MARKER}: process-level test (see {__name__})")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Do before any test what a library does once per machine by starting a process, so a
+    unit test sees the same state on a new machine as on one that ran the suite before.
+
+    matplotlib builds its font cache (``~/.cache/matplotlib``, or ``MPLCONFIGDIR``) on the first
+    import of its font manager and runs ``fc-list`` for it: the first plot of a unit test on a
+    new machine (every CI run) was refused as "starting a process".
+    """
+    with contextlib.suppress(ImportError):  # no [bench] extra installed: no test plots
+        import matplotlib.font_manager  # noqa: F401 - imported for the cache it builds
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -18,8 +18,6 @@ answers ``/health``.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,27 +30,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.ports import free_port_range
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port_range(count: int, attempts: int = 200) -> int:
-    """The first of ``count`` consecutive loopback ports that were all free a moment ago."""
-    rng = random.Random()
-    for _ in range(attempts):
-        base = rng.randrange(20_000, 60_000 - count)
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 class SimulatedPods:
@@ -98,14 +78,7 @@ class SimulatedPods:
         return f"127.0.0.1:{self.ports[index]}"
 
     def start(self, timeout: float = 30.0) -> SimulatedPods:
-        """Start the process and wait until every pod answers ``/health``."""
-        for _ in range(3):  # a port taken between our check and the bind: try other ports
-            if self._launch(timeout):
-                return self
-        raise RuntimeError(f"lig sim found no free ports:\n{self.output()}")
-
-    def _launch(self, timeout: float) -> bool:
-        """One start on fresh ports; False if a port was taken meanwhile."""
+        """Start the process on leased ports and wait until every pod answers ``/health``."""
         base = free_port_range(self.count)
         self.ports = list(range(base, base + self.count))
         if self._log is not None:
@@ -125,8 +98,6 @@ class SimulatedPods:
             for index in range(self.count):
                 while True:
                     if self._process.poll() is not None:
-                        if "cannot listen" in self.output():
-                            return False
                         raise RuntimeError(f"lig sim exited early:\n{self.output()}")
                     try:
                         if client.get(self.url(index) + "/health").status_code == 200:
@@ -137,7 +108,7 @@ class SimulatedPods:
                         self.stop()
                         raise TimeoutError(f"lig sim not healthy in {timeout}s:\n{self.output()}")
                     time.sleep(0.05)
-        return True
+        return self
 
     def output(self) -> str:
         """Everything the process logged so far."""
