@@ -24,7 +24,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from lig.probes import grpc_serving, http_ok
 from lig.supervisor import Supervisor
 from lig.topology import LOOPBACK, StackPlan
-from services.kvevents.observability import PODS_GAUGE
+from services.kvevents.observability import FOLLOWED_GAUGE
 from shared.nats_connection import NatsSettings, connect
 from shared.schemas import DecodeError, EndpointSet, PodMetrics, decode
 from shared.subjects import Subjects, endpoints_key
@@ -95,8 +95,9 @@ class _Stack:
         return [pod.name for pod in self.plan.pods] or sorted(self.snapshots)
 
     async def kv_events(self) -> bool:
-        """Whether ``lig kv-events`` follows every simulated pod (its ``lig_kv_events_pods``
-        gauge; real pods' events are optional, so for them its metrics answering is enough)."""
+        """Whether ``lig kv-events`` follows every simulated pod, their events connections up
+        and replayed (its ``lig_kv_events_pods_followed`` gauge; real pods' events are
+        optional, so for them its metrics answering is enough)."""
         url = f"http://{LOOPBACK}:{self.plan.ports.kv_events_metrics}/metrics"
         try:
             response = await self.client.get(url)
@@ -104,7 +105,7 @@ class _Stack:
             return False
         if not response.is_success:
             return False
-        return _gauge(response.text, PODS_GAUGE) >= len(self.plan.pods)
+        return _gauge(response.text, FOLLOWED_GAUGE) >= len(self.plan.pods)
 
     async def envoy(self) -> bool:
         return await http_ok(self.client, f"http://{LOOPBACK}:{self.plan.ports.envoy_admin}/ready")

@@ -28,6 +28,7 @@ from shared.schemas import InferencePool
 from shared.subjects import Subjects
 from simulator import tokenizer
 from tests.support.collector import pod, put_pool, registry_bucket
+from tests.support.nats_sync import subscribed
 from tests.support.ports import free_port, free_port_range
 from tests.support.simulator import REPO_ROOT, SimulatedPods
 from tests.support.waiting import eventually
@@ -59,8 +60,7 @@ class ChangeLog:
 @contextlib.asynccontextmanager
 async def change_log(nc: Client) -> AsyncIterator[ChangeLog]:
     log = ChangeLog()
-    sub = await nc.subscribe(SUBJECTS.all_kv_blocks(), cb=log.on_message)
-    await nc.flush()
+    sub = await subscribed(nc, SUBJECTS.all_kv_blocks(), cb=log.on_message)
     try:
         yield log
     finally:
@@ -151,6 +151,21 @@ def output(log: Any) -> str:
     return log.read().decode(errors="replace")
 
 
+async def followed(metrics_port: int, pods: int, log: Any) -> None:
+    """Wait until the bridge follows ``pods`` pod streams: connected and replayed, so every
+    batch published from now on reaches it (no time to guess)."""
+    await eventually(lambda: gauge(metrics_port, "lig_kv_events_pods_followed") == pods,
+                     within=15, what=f"{pods} pod stream(s) followed\n{output(log)}")
+
+
+def gauge(metrics_port: int, name: str) -> float:
+    """Like :func:`counter`, -1 while the metrics server is not up yet."""
+    try:
+        return counter(metrics_port, name)
+    except httpx.TransportError:
+        return -1.0
+
+
 def counter(metrics_port: int, name: str, label: str = "") -> float:
     """One sample of the consumer's Prometheus page (0 if absent)."""
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5.0).text
@@ -173,8 +188,8 @@ async def test_a_request_arrives_as_block_changes_of_its_pod(
     with EventPods(2, encoding) as pods:
         await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
         async with change_log(nc) as changes:
-            with kv_events_process(nats_server.url, pods) as (process, _, log):
-                await asyncio.sleep(1.0)  # its subscription is up well before the request
+            with kv_events_process(nats_server.url, pods) as (process, metrics_port, log):
+                await followed(metrics_port, 2, log)
                 await asyncio.to_thread(pods.complete, 1)
                 await eventually(lambda: changes.stored("pod-1"), within=15,
                                  what=f"block changes of pod-1\n{output(log)}")
@@ -226,7 +241,7 @@ async def test_a_gap_replay_cannot_cover_publishes_a_resync_marker(
         await register(nc, [("pod-0", pods.ports[0])])
         async with change_log(nc) as changes:
             with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
-                await asyncio.sleep(1.0)
+                await followed(metrics_port, 1, log)
                 await asyncio.to_thread(pods.complete, 0, "alpha beta " * 30)
                 await eventually(lambda: changes.seqs("pod-0"), within=15,
                                  what=f"first changes\n{output(log)}")
@@ -256,7 +271,7 @@ async def test_a_malformed_flood_is_counted_and_skipped(nc: Client, nats_server:
                                    replay_port="none") as (process, metrics_port, log):
                 await eventually(lambda: any(c.resync for c in changes.of("pod-x")), within=15,
                                  what=f"the start marker (no replay: state unknown)\n{output(log)}")
-                await asyncio.sleep(1.0)  # the marker comes right after connect(): let it finish
+                await followed(metrics_port, 1, log)
                 good = encode_payload(1.0, [BlockRemoved((7,), "GPU")], "map")
                 pub.send_multipart([b"kv", (0).to_bytes(8, "big"), good])
                 deadline = time.monotonic() + 20
@@ -287,7 +302,7 @@ async def test_a_restarted_engine_clears_the_pod_and_its_new_stream_is_followed(
         await register(nc, [("pod-0", pods.ports[0])])
         async with change_log(nc) as changes:
             with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
-                await asyncio.sleep(1.0)
+                await followed(metrics_port, 1, log)
                 for index in range(3):
                     await asyncio.to_thread(pods.complete, 0, f"before restart {index} " * 20)
                 await eventually(lambda: len(changes.seqs("pod-0")) >= 3, within=15,
@@ -328,7 +343,7 @@ async def test_a_restarted_engine_whose_first_batches_are_lost_is_still_seen_res
         await register(nc, [("pod-0", pods.ports[0])])
         async with change_log(nc) as changes:
             with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
-                await asyncio.sleep(1.0)
+                await followed(metrics_port, 1, log)
                 old = 0
                 while old < 3:  # a request makes one or two batches
                     await asyncio.to_thread(pods.complete, 0, f"old engine {old} " * 20)
@@ -381,7 +396,7 @@ async def test_a_pod_whose_replay_fails_is_resynced_once_and_followed_from_its_n
                                    replay_port=str(dead_replay_port)) as (_, metrics_port, log):
                 await eventually(lambda: any(c.resync for c in changes.of("pod-y")), within=15,
                                  what=f"the start marker\n{output(log)}")
-                await asyncio.sleep(1.0)
+                await followed(metrics_port, 1, log)
                 good = encode_payload(1.0, [BlockRemoved((7,), "GPU")], "array")
                 for seq in (5, 6):
                     pub.send_multipart([b"kv", seq.to_bytes(8, "big"), good])
@@ -442,10 +457,10 @@ async def test_data_parallel_ranks_are_followed_on_their_own_ports(
         async with change_log(nc) as changes:
             with kv_events_process(nats_server.url, None, "--dp-ranks", "2",
                                    events_port=f"{base - 9000:+d}",
-                                   replay_port="none") as (_, _, log):
+                                   replay_port="none") as (_, metrics_port, log):
                 await eventually(lambda: {c.dp_rank for c in changes.of("pod-dp")} == {0, 1},
                                  within=15, what=f"both ranks' start markers\n{output(log)}")
-                await asyncio.sleep(1.0)
+                await followed(metrics_port, 2, log)
                 for rank, pub in enumerate(pubs):
                     for seq in range(2):
                         stored = BlockStored((100 * rank + seq,), None, (), 16, None, "GPU")
@@ -472,14 +487,8 @@ async def test_replicas_share_the_pods_and_a_dead_ones_pods_keep_their_events(
     heartbeats the other follows its pods too, and their new blocks keep arriving."""
     names = [f"pod-{i}" for i in range(6)]
 
-    def gauge(metrics_port: int, name: str) -> float:
-        try:
-            return counter(metrics_port, name)
-        except httpx.TransportError:  # its metrics server is not up yet
-            return -1.0
-
-    def pods_of(metrics_port: int) -> float:
-        return gauge(metrics_port, "lig_kv_events_pods")
+    def pods_of(metrics_port: int) -> float:  # followed: connected and replayed
+        return gauge(metrics_port, "lig_kv_events_pods_followed")
 
     with EventPods(len(names), "map") as pods:
         await register(nc, [(name, pods.ports[i]) for i, name in enumerate(names)])

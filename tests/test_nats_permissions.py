@@ -4,17 +4,17 @@ service's credentials can do its job and nothing that would let it steer traffic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import nats
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from lig.nats_config import write_config
 from lig.server_binaries import server_binary
@@ -28,6 +28,7 @@ from shared.recording import ensure_stream
 from shared.schemas import PodMetrics, encode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer
+from tests.support.nats_sync import subscribed, synced
 from tests.support.picker import PickerProcess
 from tests.support.processes import die_with_parent
 from tests.support.registry_yaml import dump, model, pool
@@ -37,9 +38,11 @@ from tests.support.waiting import eventually
 SUBJECTS = Subjects()
 REPLAY = Subjects("lig-replay")
 SERVICES = ("registry", "collector", "kv-events", "picker", "status", "replay")
-# JetStream request timeout where a denied request is expected: it gets no answer and times out.
-# The same contexts also make allowed requests, so not too short for a busy machine.
-DENIED_S = 3.0
+# JetStream request timeout where a denied request is expected: it gets no answer, but is not
+# waited out (the server's violation report ends the wait, see refused()).
+DENIED_S = 30.0
+KV_PUT = f"$KV.{SUBJECTS.registry_bucket}.endpoints.pool-a"
+REGISTRY_STREAM = f"KV_{SUBJECTS.registry_bucket}"
 
 
 class SecuredNats:
@@ -107,34 +110,58 @@ async def publish_registry(secured: SecuredNats) -> None:
         await nc.close()
 
 
+def violated(errors: list[str], subject: str) -> bool:
+    """Whether the server reported a publish to ``subject`` as a permission violation."""
+    return f'permissions violation for publish to "{subject.lower()}"' in "\n".join(
+        error.lower() for error in errors)
+
+
 async def heard(secured: SecuredNats, subject: str, sender: Client, publish_to: str,
-                payload: bytes, expect: bool = False) -> list[bytes]:
+                payload: bytes) -> list[bytes]:
     """What the status user (allowed to read every snapshot) hears on ``subject`` when
     ``sender`` publishes ``payload`` on ``publish_to``.
 
-    Both connections are flushed: once the sender's PING is answered the server has routed the
-    message, and once the listener's is, the listener has received it; its callback runs in a
-    task of its own, so an ``expect``ed message is waited for (up to 5 s on a busy machine).
+    No waiting: once the listener's subscription is synced, then the sender's publish, the
+    server has routed the message, and once the listener is synced again it has read what was
+    routed to it (the PONG comes after it on the same connection).
     """
     listener = await secured.connect("status")
-    got: list[bytes] = []
-
-    async def keep(msg: object) -> None:
-        got.append(msg.data)  # type: ignore[attr-defined]
-
     try:
-        await listener.subscribe(subject, cb=keep)
-        await listener.flush()
+        subscription = await subscribed(listener, subject)
         await sender.publish(publish_to, payload)
-        await sender.flush()
-        await listener.flush()
-        if expect:
-            await eventually(lambda: bool(got), within=5, what=f"a message on {subject}")
-        else:
-            await asyncio.sleep(0.3)  # a message that did arrive would be handled by now
+        await synced(sender)
+        await synced(listener)
+        return [(await subscription.next_msg(timeout=1)).data
+                for _ in range(subscription.pending_msgs)]
     finally:
         await listener.close()
-    return got
+
+
+async def unheard(secured: SecuredNats, subject: str, sender: Client, sender_errors: list[str],
+                  publish_to: str, payload: bytes) -> None:
+    """``sender`` may not publish on ``publish_to``: the server says so, and nobody hears it.
+
+    The violation report is what proves the refusal (a "nothing arrived" alone also passes when
+    the listener was not yet subscribed); it is read before the sender's PONG.
+    """
+    assert await heard(secured, subject, sender, publish_to, payload) == []
+    assert violated(sender_errors, publish_to), sender_errors
+
+
+async def refused(errors: list[str], subject: str, request: Awaitable[object]) -> None:
+    """A JetStream request the server must refuse: the server reports the publish to ``subject``
+    (the API or KV subject) as a violation. A refused request is never answered, so it is not
+    waited out: the report ends the wait, and the request is cancelled."""
+    task = asyncio.ensure_future(request)
+    try:
+        await eventually(lambda: violated(errors, subject) or task.done(), within=10,
+                         what=f"a permission violation for {subject}")
+        assert not task.done() or task.exception() is not None, f"{subject} was allowed"
+        assert violated(errors, subject), errors
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, nats.errors.Error, TimeoutError):
+            await task
 
 
 async def recorded_messages(nc: Client, stream: str = SUBJECTS.metrics_stream) -> int:
@@ -203,20 +230,15 @@ async def test_a_picker_cannot_publish_a_snapshot_or_write_the_registry(
     errors: list[str] = []
     picker = await secured.connect("picker", errors)
     try:
-        fake = encode(snapshot())
-        got = await heard(secured, SUBJECTS.all_metrics(), picker,
-                          SUBJECTS.metrics("pool-a", "pod-0"), fake)
-        assert got == []
-        await eventually(lambda: any("permissions violation for publish" in e.lower()
-                                     for e in errors),
-                         within=5, what="a permission violation reported to the picker")
+        await unheard(secured, SUBJECTS.all_metrics(), picker, errors,
+                      SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
 
         kv = await picker.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
         before = (await kv.get("endpoints.pool-a")).value
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await kv.put("endpoints.pool-a", b"poisoned")
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await picker.jetstream(timeout=DENIED_S).delete_key_value(SUBJECTS.registry_bucket)
+        await refused(errors, KV_PUT, kv.put("endpoints.pool-a", b"poisoned"))
+        await refused(errors, f"$JS.API.STREAM.DELETE.{REGISTRY_STREAM}",
+                      picker.jetstream(timeout=DENIED_S).delete_key_value(
+                          SUBJECTS.registry_bucket))
         assert (await kv.get("endpoints.pool-a")).value == before
 
         # What a picker may do: read the registry, hear snapshots, publish decisions and
@@ -227,7 +249,7 @@ async def test_a_picker_cannot_publish_a_snapshot_or_write_the_registry(
         await picker.publish("lig.decisions.pool-a", b"x")
         # The status user (lig status, lig record) may follow the records live.
         assert await heard(secured, SUBJECTS.all_records(), picker, SUBJECTS.records("pool-a"),
-                           b"record", expect=True) == [b"record"]
+                           b"record") == [b"record"]
     finally:
         await picker.close()
     assert all("decisions" not in e and "records" not in e for e in errors), errors
@@ -239,19 +261,16 @@ async def test_a_collector_cannot_write_the_registry(secured: SecuredNats) -> No
     collector = await secured.connect("collector", errors)
     try:
         kv = await collector.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await kv.put("endpoints.pool-a", b"poisoned")
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await collector.jetstream(timeout=DENIED_S).update_stream(
-                (await collector.jetstream().stream_info(f"KV_{SUBJECTS.registry_bucket}")).config)
+        await refused(errors, KV_PUT, kv.put("endpoints.pool-a", b"poisoned"))
+        config = (await collector.jetstream().stream_info(REGISTRY_STREAM)).config
+        await refused(errors, f"$JS.API.STREAM.UPDATE.{REGISTRY_STREAM}",
+                      collector.jetstream(timeout=DENIED_S).update_stream(config))
         # It may publish snapshots (that is its job).
         got = await heard(secured, SUBJECTS.all_metrics(), collector,
-                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()), expect=True)
+                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
         assert len(got) == 1
     finally:
         await collector.close()
-    assert any("permissions violation for publish to \"$kv.lig-registry" in e.lower()
-               for e in errors), errors
 
 
 async def test_kv_events_publishes_block_changes_and_records_them_only(
@@ -260,24 +279,17 @@ async def test_kv_events_publishes_block_changes_and_records_them_only(
     await publish_registry(secured)
     errors: list[str] = []
     kv_events = await secured.connect("kv-events", errors)
-    picker = await secured.connect("picker", [])
+    picker_errors: list[str] = []
+    picker = await secured.connect("picker", picker_errors)
     try:
         # Its job: publish block changes, which pickers hear, and manage their stream.
         subject = SUBJECTS.kv_blocks("pool-a", "pod-0")
-        got = await heard(secured, SUBJECTS.all_kv_blocks(), kv_events, subject, b"changes",
-                          expect=True)
+        got = await heard(secured, SUBJECTS.all_kv_blocks(), kv_events, subject, b"changes")
         assert len(got) == 1
-        heard_by_picker: list[bytes] = []
-
-        async def keep(msg: Msg) -> None:
-            heard_by_picker.append(msg.data)
-
-        await picker.subscribe(SUBJECTS.all_kv_blocks(), cb=keep)
-        await picker.flush()
+        by_picker = await subscribed(picker, SUBJECTS.all_kv_blocks())
         await kv_events.publish(subject, b"again")
-        await kv_events.flush()
-        await eventually(lambda: heard_by_picker == [b"again"], within=5,
-                         what="the picker hears block changes")
+        await synced(kv_events)
+        assert (await by_picker.next_msg(timeout=5)).data == b"again"
         wanted = stream_config(SUBJECTS, 60.0, 1 << 20)
         assert await ensure_stream(kv_events.jetstream(), wanted) == "created"
         # A picker reads the recording (its precise index's history), and cannot remove it.
@@ -288,17 +300,16 @@ async def test_kv_events_publishes_block_changes_and_records_them_only(
         await subscribe_kv_blocks(picker, SUBJECTS, sink, ["pool-a"], history=True)
         await eventually(lambda: skipped == ["undecodable"], within=5,
                          what="the picker reads the recorded (undecodable) message")
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await picker.jetstream(timeout=DENIED_S).delete_stream(SUBJECTS.kv_blocks_stream)
+        await refused(picker_errors, f"$JS.API.STREAM.DELETE.{SUBJECTS.kv_blocks_stream}",
+                      picker.jetstream(timeout=DENIED_S).delete_stream(
+                          SUBJECTS.kv_blocks_stream))
         # Not its job: snapshots, the registry, the pickers' block changes stream from a picker.
-        got = await heard(secured, SUBJECTS.all_metrics(), kv_events,
-                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
-        assert got == []
+        await unheard(secured, SUBJECTS.all_metrics(), kv_events, errors,
+                      SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
         kv = await kv_events.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await kv.put("endpoints.pool-a", b"poisoned")
-        got = await heard(secured, SUBJECTS.all_kv_blocks(), picker, subject, b"forged")
-        assert got == []
+        await refused(errors, KV_PUT, kv.put("endpoints.pool-a", b"poisoned"))
+        await unheard(secured, SUBJECTS.all_kv_blocks(), picker, picker_errors, subject,
+                      b"forged")
     finally:
         await kv_events.close()
         await picker.close()
@@ -311,30 +322,20 @@ async def test_kv_events_replicas_hear_each_others_heartbeats_but_not_the_collec
     one, other = (await secured.connect("kv-events", errors),
                   await secured.connect("kv-events", errors))
     collector = await secured.connect("collector", [])
-    heartbeats: list[str] = []
-    collectors: list[str] = []
-
-    async def keep(msg: Msg) -> None:
-        heartbeats.append(msg.subject)
-
-    async def keep_collectors(msg: Msg) -> None:
-        collectors.append(msg.subject)
-
     try:
-        await one.subscribe(SUBJECTS.all_kv_events_heartbeats(), cb=keep)
-        await one.flush()
-        await collector.subscribe(SUBJECTS.all_collector_heartbeats(), cb=keep_collectors)
-        await collector.flush()
+        heartbeats = await subscribed(one, SUBJECTS.all_kv_events_heartbeats())
+        collectors = await subscribed(collector, SUBJECTS.all_collector_heartbeats())
         await other.publish(SUBJECTS.kv_events_heartbeat("kv-b"), b"beat")
-        await other.flush()
-        await eventually(lambda: heartbeats == [SUBJECTS.kv_events_heartbeat("kv-b")],
-                         within=5, what="a kv-events replica hears another's heartbeat")
-        # A kv-events replica cannot pose as a collector (it would take scrapes over).
+        await synced(other)
+        assert (await heartbeats.next_msg(timeout=5)).subject == \
+            SUBJECTS.kv_events_heartbeat("kv-b")
+        # A kv-events replica cannot pose as a collector (it would take scrapes over): the
+        # server refuses the publish before the PONG of the sync, so nothing can follow it.
         await other.publish(SUBJECTS.collector_heartbeat("kv-b"), b"beat")
-        await other.flush()
-        await collector.flush()
-        await asyncio.sleep(0.3)  # a message that did arrive would be handled by now
-        assert collectors == []
+        await synced(other)
+        await synced(collector)
+        assert violated(errors, SUBJECTS.collector_heartbeat("kv-b")), errors
+        assert collectors.delivered == 0
     finally:
         await one.close()
         await other.close()
@@ -346,25 +347,25 @@ async def test_status_reads_only_and_replay_writes_only_under_its_prefix(
     secured: SecuredNats,
 ) -> None:
     await publish_registry(secured)
-    status = await secured.connect("status", [])
-    replay = await secured.connect("replay", [])
+    status_errors: list[str] = []
+    replay_errors: list[str] = []
+    status = await secured.connect("status", status_errors)
+    replay = await secured.connect("replay", replay_errors)
     try:
         assert await read_bucket(status.jetstream(), SUBJECTS.registry_bucket)
         kv = await status.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await kv.put("pool.pool-a", b"x")
-        got = await heard(secured, SUBJECTS.all_metrics(), status,
-                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
-        assert got == []
+        await refused(status_errors, f"$KV.{SUBJECTS.registry_bucket}.pool.pool-a",
+                      kv.put("pool.pool-a", b"x"))
+        await unheard(secured, SUBJECTS.all_metrics(), status, status_errors,
+                      SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
 
         # Replay: a bucket and snapshots of its own, nothing under the production prefix.
         own = await replay.jetstream().create_key_value(bucket=REPLAY.registry_bucket)
         await own.put("pool.x", b"x")
-        with pytest.raises((nats.errors.Error, TimeoutError)):
-            await replay.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket)
-        got = await heard(secured, SUBJECTS.all_metrics(), replay,
-                          SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
-        assert got == []
+        await refused(replay_errors, f"$JS.API.STREAM.INFO.{REGISTRY_STREAM}",
+                      replay.jetstream(timeout=DENIED_S).key_value(SUBJECTS.registry_bucket))
+        await unheard(secured, SUBJECTS.all_metrics(), replay, replay_errors,
+                      SUBJECTS.metrics("pool-a", "pod-0"), encode(snapshot()))
     finally:
         await status.close()
         await replay.close()
@@ -445,8 +446,7 @@ async def test_lig_replay_runs_as_the_replay_user_under_its_prefix(
         async def keep(message) -> None:  # type: ignore[no-untyped-def]
             heard.append(message.data)
 
-        await replay.subscribe(REPLAY.all_metrics(), cb=keep)
-        await replay.flush()
+        await subscribed(replay, REPLAY.all_metrics(), cb=keep)
         result = await asyncio.to_thread(subprocess.run, [
             sys.executable, "-m", "lig.cli", "replay", str(recording), "--nats-url", secured.url,
             "--prefix", REPLAY.prefix, *secured.flags("replay"), "--log-level", "INFO"],

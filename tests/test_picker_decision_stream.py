@@ -17,6 +17,7 @@ from services.picker.batch_sender import BatchSender
 from services.picker.decision_stream import decision_queue, record_queue
 from shared.schemas import Criticality, DecisionBatch, RoutedEvent, decode
 from shared.subjects import Subjects
+from tests.support.nats_sync import synced
 
 POOL = "pool-1"
 
@@ -28,19 +29,20 @@ def routed(request_id: int, pod: str) -> RoutedEvent:
 async def test_decisions_of_one_window_go_out_as_one_message_per_pool(nc: Client) -> None:
     subjects = Subjects()
     received: list[DecisionBatch] = []
-    await nc.subscribe(subjects.decisions(POOL), cb=_collector(received))
-    await nc.subscribe(subjects.decisions("other"), cb=_collector(received))
+    subscriptions = [await nc.subscribe(subjects.decisions(pool), cb=_collector(received))
+                     for pool in (POOL, "other")]
     published: list[int] = []
     sender = BatchSender("me", delay=0.005, heartbeat=60)
     publisher = decision_queue(sender, subjects, on_published=published.append)
     task = asyncio.create_task(sender.run(nc))
     try:
-        await asyncio.sleep(0.05)
         for request_id in range(100):
             publisher(POOL, routed(request_id, "pod-a"))
         publisher("other", routed(1000, "pod-b"))
-        await _wait_for(lambda: len(received) >= 2)
-        await asyncio.sleep(0.05)  # nothing else may follow
+        await _wait_for(lambda: sum(published) == 101)  # every event went out
+        await synced(nc)  # and whatever carried them is back on this connection
+        assert sum(subscription.delivered for subscription in subscriptions) == 2
+        await _wait_for(lambda: len(received) == 2)
     finally:
         task.cancel()
     by_pool = {b.pool: b for b in received}

@@ -59,11 +59,15 @@ async def test_the_picker_link_applies_peer_batches_but_never_sees_its_own(
             publisher.decisions(POOL, RoutedEvent(request_id, "pod-a", "m",
                                                   Criticality.STANDARD))
         await _wait_for(lambda: publisher.picker_id in seen)
-        await asyncio.sleep(0.1)  # an echo would have arrived by now
+        # A second peer batch, sent after the server routed the link's own: an echo would be
+        # on the link's connection ahead of it, and its subscription hands batches over in order.
+        later = encode(DecisionBatch("peer-2", POOL, time.time_ns(), [], 60.0))
+        await nc.publish(subjects.decisions(POOL), later)
+        await _wait_for(lambda: "peer-2" in accepted)
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
-    assert publisher.picker_id in seen and set(accepted) == {"peer"}
+    assert publisher.picker_id in seen and set(accepted) == {"peer", "peer-2"}
 
 
 async def _wait_for(condition: Callable[[], bool], within: float = 5.0,

@@ -34,9 +34,10 @@ from shared.schemas import EndpointSet, InferencePool, PodMetrics, PolicyConfig
 from shared.subjects import Subjects
 from simulator import tokenizer
 from tests.support.collector import pod
+from tests.support.nats_sync import subscribed, synced
 from tests.support.picker import PickerProcess
 from tests.support.waiting import eventually
-from tests.test_kv_events_e2e import EventPods, kv_events_process, output, register
+from tests.test_kv_events_e2e import EventPods, followed, kv_events_process, output, register
 
 SUBJECTS = Subjects()
 POOL = "pool-a"
@@ -88,9 +89,9 @@ async def test_requests_go_to_the_pod_whose_events_show_their_prefix(
         sink = KVBlocksSink(lambda pool: (router.precise, router.pods) if pool == POOL else None,
                             on_skip=skipped.append)
         await subscribe(nc, SUBJECTS, sink, [POOL])
-        await nc.flush()
-        with kv_events_process(nats_server.url, pods) as (_, _, log):
-            await asyncio.sleep(1.0)  # its subscriptions are up before the requests
+        await synced(nc)
+        with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+            await followed(metrics_port, 2, log)
             # Warm the caches directly (bypassing any picker): the picker learns it only
             # from the pods' events.
             await asyncio.to_thread(pods.complete, 0, SHARED + "first question")
@@ -120,17 +121,26 @@ async def test_requests_go_to_the_pod_whose_events_show_their_prefix(
                              what=f"{len(router.precise)} blocks left\n{output(log)}")
 
 
-async def settled(index: PreciseIndex, quiet: float = 0.5, within: float = 20.0) -> None:
-    """Wait until ``index`` took no message for ``quiet`` seconds: the last completion's events
-    (a message per engine batch) may still be on their way when the first have arrived."""
-    deadline = time.monotonic() + within
-    seen = index.stats.messages
-    while time.monotonic() < deadline:
-        await asyncio.sleep(quiet)
-        if index.stats.messages == seen:
-            return
-        seen = index.stats.messages
-    raise AssertionError(f"KV block changes still arriving after {within} s")
+class Announced:
+    """Every block change ``lig kv-events`` published, applied to an index of the test's own:
+    what a picker should hold."""
+
+    def __init__(self) -> None:
+        self.index = PreciseIndex(100_000)
+        self.last_seq: dict[str, int] = {}
+
+    async def on_message(self, message: Msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            changes = kv_blocks.decode(message.data)
+            self.index.apply(changes)
+            if changes.source_seq >= 0:
+                self.last_seq[changes.pod] = changes.source_seq
+
+    def has_all_of(self, pods: EventPods) -> bool:
+        """Whether the last batch each pod published has arrived (a completion's events come
+        in a message per engine step; the last may still be on its way after the first)."""
+        return all(self.last_seq.get(f"pod-{i}") == pods.kv_event_state(i)["seq"]
+                   for i in range(pods.count))
 
 
 def metric(picker: PickerProcess, name: str) -> float | None:
@@ -164,14 +174,9 @@ async def garbage_counted(nc: Client, picker: PickerProcess, count: float) -> No
 async def test_lig_pickers_index_holds_the_blocks_the_pods_announced(
     nc: Client, nats_server: Any, picker_process: Callable[..., PickerProcess]
 ) -> None:
-    # The same messages applied to an index of this test's own: what the picker should hold.
-    expected = PreciseIndex(100_000)
-
-    async def on_message(message: Msg) -> None:
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-            expected.apply(kv_blocks.decode(message.data))
-
-    await nc.subscribe(SUBJECTS.all_kv_blocks(), cb=on_message)
+    announced = Announced()
+    await subscribed(nc, SUBJECTS.all_kv_blocks(), cb=announced.on_message)
+    expected = announced.index
     with EventPods(2, "array") as pods:
         await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
         picker = picker_process(POOL, nats_server.url,
@@ -181,9 +186,8 @@ async def test_lig_pickers_index_holds_the_blocks_the_pods_announced(
             for index in range(6):
                 await asyncio.to_thread(pods.complete, index % 2,
                                         (SHARED if index % 2 else OTHER) + f"number {index}")
-            await eventually(lambda: len(expected.event_pods()) == 2, within=20,
-                             what=f"block changes\n{output(log)}")
-            await settled(expected)
+            await eventually(lambda: announced.has_all_of(pods), within=20,
+                             what=f"every pod's last batch\n{output(log)}")
 
             def agrees() -> bool:
                 return (metric(picker, f'lig_picker_precise_blocks{{pool="{POOL}"}}')
@@ -204,24 +208,18 @@ async def test_a_picker_started_after_the_pods_reads_the_blocks_they_hold(
 ) -> None:
     """vLLM announces a block once: a picker that starts later learns the blocks the pods
     already hold from lig kv-events' recording; without it (--no-precise-history) it does not."""
-    expected = PreciseIndex(100_000)
-
-    async def on_message(message: Msg) -> None:
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-            expected.apply(kv_blocks.decode(message.data))
-
-    await nc.subscribe(SUBJECTS.all_kv_blocks(), cb=on_message)
+    announced = Announced()
+    await subscribed(nc, SUBJECTS.all_kv_blocks(), cb=announced.on_message)
     with EventPods(2, "map") as pods:
         await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
-        with kv_events_process(nats_server.url, pods) as (_, _, log):
-            await asyncio.sleep(1.0)
+        with kv_events_process(nats_server.url, pods) as (_, metrics_port, log):
+            await followed(metrics_port, 2, log)
             for index in range(4):
                 await asyncio.to_thread(pods.complete, index % 2,
                                         (SHARED if index % 2 else OTHER) + f"number {index}")
-            await eventually(lambda: len(expected.event_pods()) == 2, within=20,
-                             what=f"block changes\n{output(log)}")
-            await settled(expected)
-            held = len(expected)
+            await eventually(lambda: announced.has_all_of(pods), within=20,
+                             what=f"every pod's last batch\n{output(log)}")
+            held = len(announced.index)
             assert held > 0
             later = picker_process(POOL, nats_server.url, extra_args=("--precise-blocks", "1000"))
             live_only = picker_process(POOL, nats_server.url,

@@ -22,6 +22,7 @@ from shared.subjects import Subjects
 from tests.support.envoy import EnvoyProcess, start_envoy
 from tests.support.fleet_feed import FleetFeed
 from tests.support.nats_server import NatsServer
+from tests.support.nats_sync import subscribed
 from tests.support.picker import PickerProcess
 from tests.support.simulator import SimulatedPods
 
@@ -93,8 +94,7 @@ class Records:
 
 async def subscribe(nc: Client) -> Records:
     records = Records()
-    await nc.subscribe(Subjects().records(POOL), cb=records.on_message)
-    await nc.flush()
+    await subscribed(nc, Subjects().records(POOL), cb=records.on_message)
     return records
 
 

@@ -5,7 +5,6 @@ errors (exit 2) for newer, truncated, corrupt and foreign files."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import signal
 import struct
 import subprocess
@@ -15,12 +14,14 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js import JetStreamContext
 
 from recording.fileformat import MAGIC, Entry, FileHeader, Kind, Writer, read_entries, read_header
 from services.collector.recording import ensure_recording
 from shared.schemas import Endpoint, EndpointSet, InferencePool, PodMetrics, decode, encode
 from shared.subjects import Subjects, endpoints_key, pool_key
 from tests.support.nats_server import NatsServer
+from tests.support.nats_sync import subscribed, synced
 from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
 from tests.support.waiting import eventually
@@ -47,6 +48,18 @@ def endpoints(pool: str, *ports: int) -> bytes:
         Endpoint(f"pod-{port}", "127.0.0.1", port) for port in ports)))
 
 
+async def recorded(js: JetStreamContext, counts: dict[str, int]) -> None:
+    """Wait until each recording stream holds its count of messages (polling the server, not
+    guessing how long storing takes)."""
+    async def holds() -> dict[str, int]:
+        return {name: (await js.stream_info(name)).state.messages for name in counts}
+
+    deadline = time.monotonic() + 10
+    while (held := await holds()) != counts:
+        assert time.monotonic() < deadline, f"recorded {held}, expected {counts}"
+        await asyncio.sleep(0.02)
+
+
 def entries(path: Path) -> tuple[FileHeader, list[tuple[Kind, Entry]]]:
     with path.open("rb") as source:
         return read_header(source), list(read_entries(source))
@@ -64,10 +77,10 @@ async def test_export_holds_the_window_of_one_pool_and_its_registry_at_the_start
         await kv.put(endpoints_key("a"), endpoints("a", 1))
         await kv.put(endpoints_key("b"), endpoints("b", 9))
         await nc.publish(SUBJECTS.metrics("a", "before"), snapshot("a", "before", 1, 1))
-        await nc.flush()
-        await asyncio.sleep(0.3)
+        # Stored before the window starts: the registry's writes reach their recording through
+        # the server's sourcing, which lags.
+        await recorded(js, {SUBJECTS.metrics_stream: 1, SUBJECTS.registry_stream: 3})
         start = time.time_ns()
-        await asyncio.sleep(0.3)
         await kv.put(endpoints_key("a"), endpoints("a", 1, 2))
         for seq in range(3):
             await nc.publish(SUBJECTS.metrics("a", "pod-1"), snapshot("a", "pod-1", seq, seq))
@@ -76,10 +89,10 @@ async def test_export_holds_the_window_of_one_pool_and_its_registry_at_the_start
             await nc.publish(SUBJECTS.decisions("b"), b"other %d" % seq)
             await nc.publish(SUBJECTS.records("a"), b"record %d" % seq)
             await nc.publish(SUBJECTS.records("b"), b"other record %d" % seq)
-        await nc.flush()
-        await asyncio.sleep(0.3)
-        await kv.delete(endpoints_key("a"))
-        await asyncio.sleep(0.3)
+        await recorded(js, {SUBJECTS.metrics_stream: 7, SUBJECTS.decisions_stream: 12,
+                            SUBJECTS.registry_stream: 4})
+        await kv.delete(endpoints_key("a"))  # the last entry, in time order too
+        await recorded(js, {SUBJECTS.registry_stream: 5})
     finally:
         await nc.close()
 
@@ -172,7 +185,7 @@ async def test_replay_keeps_the_spacing_scaled_by_speed_with_times_shifted_to_no
     try:
         await nc.subscribe("replayed.metrics.>", cb=keep)
         await nc.subscribe("replayed.decisions.>", cb=keep_decision)
-        await nc.flush()
+        await synced(nc)
         started_ns = time.time_ns()
         result = await asyncio.to_thread(
             lambda: subprocess.run([sys.executable, "-m", "lig.cli", "replay", str(path),
@@ -185,8 +198,11 @@ async def test_replay_keeps_the_spacing_scaled_by_speed_with_times_shifted_to_no
         assert (await kv.get(endpoints_key("p"))).value == endpoints("p", 1)
     finally:
         await nc.close()
-    gaps = [later[0] - earlier[0] for earlier, later in itertools.pairwise(heard)]
-    assert all(0.8 < gap < 1.4 for gap in gaps), gaps  # 2 s recorded apart, at speed 2
+    # 2 s recorded apart, at speed 2: 2 s from the first to the third, where speed 1 takes 4 s
+    # and no pacing none. Judged on the span, not each gap: a message the loaded machine
+    # delivers late shortens the next gap (the replay keeps to its schedule).
+    span = heard[-1][0] - heard[0][0]
+    assert 1.5 < span < 3.5, [arrived for arrived, _ in heard]
     for _, replayed in heard:  # recorded an hour ago, replayed as fresh
         assert abs(replayed.scrape_time_ns - started_ns) < 10 * SECOND
     assert [replayed.waiting for _, replayed in heard] == [0, 1, 2]
@@ -203,8 +219,7 @@ async def test_sigterm_stops_a_replay_at_once(nats_server: NatsServer, tmp_path:
         heard.append(message.data)
 
     try:
-        await nc.subscribe("lig.metrics.>", cb=keep)
-        await nc.flush()
+        await subscribed(nc, "lig.metrics.>", cb=keep)
         replay = start_replay(path, "--nats-url", nats_server.url)
         try:
             await eventually(lambda: len(heard) == 1, within=20, what="the first snapshot")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import nats
 import pytest
@@ -95,8 +96,10 @@ async def test_every_recording_stream_has_an_age_and_a_size_limit(nats_server: N
         payload = b"x" * 4096
         for i in range(500):
             await nc.publish(SUBJECTS.metrics("p", f"pod-{i % 5}"), payload)
-        await nc.flush()
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10  # every one stored (the oldest discarded)
+        while (await js.stream_info(SUBJECTS.metrics_stream)).state.last_seq < 500:
+            assert time.monotonic() < deadline, "the 500 snapshots were not stored in 10 s"
+            await asyncio.sleep(0.02)
         state = (await js.stream_info(SUBJECTS.metrics_stream)).state
         assert 0 < state.bytes <= SMALL.metrics and state.messages < 500, state
     finally:

@@ -24,6 +24,7 @@ from shared.schemas import (
     encode,
 )
 from shared.subjects import Subjects, endpoints_key, escape_token, model_key, unescape_token
+from tests.support.nats_sync import synced
 
 
 def test_messages_round_trip() -> None:
@@ -75,12 +76,12 @@ async def test_escaped_subject_routes_on_a_real_server(nats_server) -> None:
         async def handler(msg) -> None:
             await received.put(msg.subject)
 
-        await client.subscribe(subjects.pool_metrics("pool one"), cb=handler)
+        subscription = await client.subscribe(subjects.pool_metrics("pool one"), cb=handler)
         await client.publish(subjects.metrics("pool one", "a.b*c >"), b"x")
         await client.publish(subjects.metrics("other", "a"), b"x")
         subject = await asyncio.wait_for(received.get(), 2)
         assert subjects.parse_metrics(subject) == ("pool one", "a.b*c >")
-        await asyncio.sleep(0.1)
-        assert received.empty()
+        await synced(client)  # everything routed to this connection has been read
+        assert subscription.delivered == 1
     finally:
         await client.close()

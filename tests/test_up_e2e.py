@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -179,9 +180,11 @@ async def test_requests_succeed_and_spread_over_pods_with_adapter_affinity(
     assert on_anchor >= 0.75 * per_target["tweet-summary-1"], routed
     # Without an active adapter to stick to, load spreads over the pool.
     assert len(pods_of[BASE]) >= 2 and len(pods_of[SHEDDABLE]) >= 2, routed
-    # The 90/10 split of tweet-summary across its two adapter versions.
+    # The 90/10 split of tweet-summary across its two adapter versions, judged so that a fair
+    # draw fails 1 run in 400 million (P(Bin(33, 0.9) <= 16)); "more than twice as many" failed
+    # 1 run in 4,200.
     assert per_target["tweet-summary-1"] + per_target["tweet-summary-2"] == REQUESTS // 3
-    assert per_target["tweet-summary-1"] > 2 * per_target["tweet-summary-2"], per_target
+    assert per_target["tweet-summary-1"] > per_target["tweet-summary-2"], per_target
 
 
 async def test_sheddable_requests_get_429_only_while_every_pod_is_saturated(
@@ -204,7 +207,9 @@ async def test_sheddable_requests_get_429_only_while_every_pod_is_saturated(
                     break
                 holds.open(BASE, 4)
             assert saturated(), {p: s.waiting for p, s in snapshots.latest.items()}
-
+            # The pickers read the same snapshots as this test, a moment apart: the first
+            # 429 says they see it too, and then every sheddable request is shed.
+            await shed_after(client, stack, 429, "a sheddable request shed")
             shed = [await client.post(f"{stack.gateway}/v1/completions",
                                       json=completion(SHEDDABLE, i)) for i in range(5)]
             # Critical and Standard requests are admitted (and queue) even now.
@@ -222,10 +227,21 @@ async def test_sheddable_requests_get_429_only_while_every_pod_is_saturated(
 
         # Once the held requests are gone, sheddable traffic is served again.
         await eventually(lambda: not saturated(), within=15, what="pods drained")
-        await asyncio.sleep(0.5)  # the pickers' view follows within a snapshot or two
-        after = await client.post(f"{stack.gateway}/v1/completions",
-                                  json=completion(SHEDDABLE, 99))
-        assert after.status_code == 200, after.text
+        await shed_after(client, stack, 200, "a sheddable request served")
+
+
+async def shed_after(client: httpx.AsyncClient, stack: RunningStack, status: int,
+                     what: str, within: float = 15.0) -> None:
+    """Send sheddable requests until one is answered ``status`` (the pickers' view follows the
+    snapshots a moment after this test's does); fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    for i in itertools.count():
+        response = await client.post(f"{stack.gateway}/v1/completions",
+                                     json=completion(SHEDDABLE, 100 + i))
+        if response.status_code == status:
+            return
+        assert time.monotonic() < deadline, f"{what}: got {response.status_code} {response.text}"
+        await asyncio.sleep(0.05)
 
 
 def test_status_shows_every_pod_fresh_and_requests_on_both_pickers(stack: RunningStack) -> None:

@@ -20,6 +20,7 @@ from shared.kv_blocks import KVBlockChanges
 from shared.kv_events import BlockStored
 from shared.subjects import Subjects
 from tests.support.lig_up import RunningStack, lig_up
+from tests.support.nats_sync import subscribed
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,8 +59,7 @@ async def test_block_changes_of_every_pod_arrive_on_nats(stack: RunningStack) ->
 
     nc = await nats.connect(info.nats_url)
     try:
-        await nc.subscribe(Subjects(info.prefix).all_kv_blocks(), cb=on_message)
-        await nc.flush()
+        await subscribed(nc, Subjects(info.prefix).all_kv_blocks(), cb=on_message)
         deadline = time.monotonic() + WITHIN_S
         sent = 0
         async with httpx.AsyncClient(timeout=30) as client:

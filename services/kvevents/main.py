@@ -151,7 +151,9 @@ class KVEventsService:
         self.view = RegistryView()
         self.decoder = KVEventDecoder(settings.limits,
                                       lambda reason: self.metrics.skipped.labels(reason).inc())
-        self.streams: dict[str, tuple[PodEndpoints, asyncio.Task[None]]] = {}
+        self.streams: dict[str, tuple[PodEndpoints, PodStream, asyncio.Task[None]]] = {}
+        self.metrics.followed.set_function(
+            lambda: sum(stream.following for _, stream, _ in self.streams.values()))
         self._ctx = zmq.asyncio.Context()
         self._nc: Client | None = None
         self._watcher: RegistryWatcher | None = None
@@ -227,15 +229,15 @@ class KVEventsService:
             self.view, settings.events, settings.replay, share, settings.dp_ranks)
         if share is not None:
             self.metrics.replicas.set(len(share.members))
-        gone = [key for key, (pod, _) in self.streams.items() if wanted.get(key) != pod]
+        gone = [key for key, (pod, _, _) in self.streams.items() if wanted.get(key) != pod]
         if gone:
-            self._background(self._stop_tasks([self.streams.pop(key)[1] for key in gone]))
+            self._background(self._stop_tasks([self.streams.pop(key)[2] for key in gone]))
         for key, pod in wanted.items():
             if key not in self.streams:
                 stream = PodStream(pod, self._ctx, self.decoder, self._publish, settings.stream,
                                    self._count)
                 task = asyncio.create_task(self._run_stream(stream), name=f"kv-events {key}")
-                self.streams[key] = (pod, task)
+                self.streams[key] = (pod, stream, task)
         if len(self.streams) != before:
             log.info("following %d pod stream(s)", len(self.streams))
         self.metrics.pods.set(len(self.streams))
@@ -298,7 +300,7 @@ class KVEventsService:
             self._recording.cancel()
 
     async def _stop_streams(self) -> None:
-        await self._stop_tasks([task for _, task in self.streams.values()])
+        await self._stop_tasks([task for _, _, task in self.streams.values()])
 
     async def _disconnected(self) -> None:
         if self.membership is not None:

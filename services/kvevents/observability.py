@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-PODS_GAUGE = "lig_kv_events_pods"  # also read by `lig up`'s readiness check
+PODS_GAUGE = "lig_kv_events_pods"
+FOLLOWED_GAUGE = "lig_kv_events_pods_followed"  # also read by `lig up`'s readiness check
 
 
 class KVEventsMetrics:
@@ -25,5 +26,7 @@ class KVEventsMetrics:
         self.publish_errors = Counter("lig_kv_events_publish_errors", "Block-change messages "
                                       "that NATS did not take", registry=r)
         self.pods = Gauge(PODS_GAUGE, "Pods subscribed to", registry=r)
+        self.followed = Gauge(FOLLOWED_GAUGE, "Pods whose events are followed: the events "
+                              "connection is up and its replay done", registry=r)
         self.replicas = Gauge("lig_kv_events_replicas", "Replicas sharing the pods (this one "
                               "included), as its heartbeats tell", registry=r)

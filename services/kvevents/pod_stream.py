@@ -7,6 +7,11 @@ subscribed is known too; when the replay cannot cover what was lost, it publishe
 marker (all cleared, state unknown) and carries on from what it has. Replays start at the last
 batch applied, which tells the same engine from a restarted one, and every reconnection of the
 SUB socket runs one: a restarted engine whose first batches were lost is still seen.
+
+Each replay starts once the SUB connection's handshake is done, when the subscription is on its
+way to the pod ahead of the replay request: a batch published after the replay then reaches the
+SUB socket. (A replay started at ``connect()``, before the connection was up, missed what the
+pod published in between until a later batch showed the gap.)
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class PodStream:
         self._on_count = on_count
         self._connections = 0
         """SUB connections made so far (every one after the first is a reconnection)."""
+        self.following = False
+        """The events connection is up and its replay done: every batch from here on is
+        seen."""
         self._adopt_next = False
         """After a resync with nothing to continue from: the next batch starts the stream (no
         replay can bring what came before it)."""
@@ -86,15 +94,16 @@ class PodStream:
         sub = self._ctx.socket(zmq.SUB)
         sub.linger = 0
         sub.subscribe(b"")
-        # Connection events show a restarted engine even when its first batches are lost
-        # before the SUB connection is back (or it publishes nothing for a while).
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Connection events start the first replay, and show a restarted engine even when its
+        # first batches are lost before the SUB connection is back (or it publishes nothing
+        # for a while).
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                         | zmq.EVENT_DISCONNECTED)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         sub.connect(self.pod.events)
         try:
-            await self._recover(None)
             while True:
                 await poller.poll()
                 # Connection events first: a reconnection is reported before any batch of
@@ -111,14 +120,16 @@ class PodStream:
                     continue
                 await self._handle(batch)
         finally:
+            self.following = False
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
             self._close_dealer()
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
-        """Handle the SUB socket's pending connection events: a connection after the first
-        may be a restarted engine, which a replay from the last batch applied tells."""
+        """Handle the SUB socket's pending connection events: the first connection replays
+        from 0; one after it may be a restarted engine, which a replay from the last batch
+        applied tells."""
         while True:
             try:
                 frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
@@ -126,14 +137,16 @@ class PodStream:
                 return
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_DISCONNECTED:
+                self.following = False
                 log.info("%s/%s rank %d: events connection lost", self.pod.pool,
                          self.pod.pod, self.pod.dp_rank)
-            elif event == zmq.EVENT_CONNECTED:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connections += 1
                 if self._connections > 1:
                     log.info("%s/%s rank %d: events connection back: checking the engine",
                              self.pod.pool, self.pod.pod, self.pod.dp_rank)
-                    await self._recover(None)
+                await self._recover(None)
+                self.following = True
 
     def _skip_malformed(self, frames: list[bytes]) -> None:
         """A batch whose payload does not decode is lost, but its sequence number counts: a

@@ -44,6 +44,7 @@ PROCESS_MODULES = (
     "tests.support.metrics_pages",
     "tests.support.nats_cluster",
     "tests.support.nats_server",
+    "tests.support.nats_sync",
     "tests.support.picker",
     "tests.support.ports",
     "tests.support.processes",
