@@ -455,9 +455,11 @@ async def test_sigterm_drains_then_stops_the_picker_within_2_5s(
             assert (await call.read()).HasField("request_headers")  # a request in flight
             started = time.monotonic()
             picker.signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
             # Draining: health checks fail, but a request Envoy sends meanwhile is served.
-            assert not await grpc_serving(f"127.0.0.1:{picker.health_port}", "readiness", 0.5)
+            deadline = time.monotonic() + 1.0  # within the drain delay (1.1 s)
+            while await grpc_serving(f"127.0.0.1:{picker.health_port}", "readiness", 0.5):
+                assert time.monotonic() < deadline, "readiness still serving while draining"
+                await asyncio.sleep(0.02)
             late = stub.Process()
             await late.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(
                 end_of_stream=True)))

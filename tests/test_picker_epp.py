@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -269,9 +268,7 @@ def test_objective_header_sets_the_criticality(subset_stack: Stack, header: str)
     # An unknown objective changes nothing.
     assert stack.post(body, headers={header: "no-such-objective"}).status_code == 429
     _publish(stack, {"pod-0": IDLE, "pod-1": IDLE, "pod-2": IDLE})
-    deadline = time.monotonic() + 5
-    while stack.post(body).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    stack.settle(lambda: stack.post(body).status_code == 200, "bulk served once idle")
 
 
 def _post_with_trailers(port: int, body: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from recording.fileformat import read_header
+from recording.records import ReadCounts, Registry, read_records
 from scheduling_bench.results import RunMetrics
 from shared.schemas import EndpointSet, decode
 from shared.subjects import Subjects, endpoints_key
@@ -47,7 +50,6 @@ SEQUENTIAL = [(BASE, False, True, None), (BASE, True, True, None), (BASE, False,
               (BASE, False, True, None)]
 CRITICALITY = {BASE: "Critical", "sql-lora": "Sheddable", "tweet-summary": "Standard"}
 CONCURRENT = 8  # then a burst of shared-prefix requests at once, half streamed
-SETTLE_S = 3.0  # after the last response: the pickers' record batches reach the recording
 
 
 @dataclass
@@ -140,13 +142,32 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
         started = time.monotonic()
         pods = asyncio.run(pod_addresses(info.nats_url, info.prefix, info.pool))
         sent = asyncio.run(traffic(stack.gateway, list(pods.values())))
-        time.sleep(SETTLE_S)
-        # The window starts before the first request (whole seconds, rounded up, plus margin).
-        since = int(time.monotonic() - started) + 5
-        exported = lig("record", "--out", str(out), "--since", f"{since}s",
-                       "--nats-url", info.nats_url, "--prefix", info.prefix)
-        assert exported.returncode == 0, exported.stdout + exported.stderr
+        # The pickers' record batches reach the recording a moment after the last response:
+        # exported again until every request's decision and outcome are in the file.
+        deadline = time.monotonic() + 20
+        while True:
+            # The window starts before the first request (whole seconds, rounded up, margin).
+            since = int(time.monotonic() - started) + 5
+            exported = lig("record", "--out", str(out), "--since", f"{since}s",
+                           "--nats-url", info.nats_url, "--prefix", info.prefix)
+            assert exported.returncode == 0, exported.stdout + exported.stderr
+            missing = unrecorded(out, sent)
+            if not missing:
+                break
+            assert time.monotonic() < deadline, f"records missing after 20 s: {missing}"
+            time.sleep(0.2)
     yield Recorded(out, pods, sent)
+
+
+def unrecorded(path: Path, sent: list[Sent]) -> list[str]:
+    """The requests of ``sent`` whose decision or outcome record ``path`` lacks."""
+    with path.open("rb") as source:
+        read_header(source)
+        found = Counter((recorded.record.request_id, type(recorded.record).__name__)
+                        for recorded in read_records(source, Registry(), ReadCounts()))
+    return [f"{request.request_id} {kind}" for request in sent
+            for kind in ("DecisionRecord", "OutcomeRecord")
+            if not found[request.request_id, kind]]
 
 
 def test_what_if_with_the_recorded_policy_reproduces_every_recorded_pick(

@@ -26,12 +26,15 @@ from tests.support.lig_up import lig_up
 from tests.support.nats_server import NatsServer
 from tests.support.picker import PickerProcess
 from tests.support.processes import die_with_parent
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(240)
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 REQUESTS = 24
-RECORD_S = 25  # the window exported: long enough that the replay outlasts a picker's start
+# The window exported: the replay must outlast the picker's readiness, its requests and a `lig
+# status` (the picker is started and connected beforehand, so that is a few seconds).
+RECORD_S = 10
 
 
 def lig(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -53,6 +56,14 @@ def metric(page: str, name: str, **labels: str) -> float:
                for sample in family.samples
                if sample.name == name and all(sample.labels.get(k) == v
                                               for k, v in labels.items()))
+
+
+def connected(picker: PickerProcess) -> bool:
+    """Whether ``picker`` says it is connected to NATS (its subscriptions go out with it)."""
+    try:
+        return metric(picker.metrics(), "lig_picker_nats_connected") == 1
+    except OSError:  # its metrics server is not up yet
+        return False
 
 
 def recorded_addresses(path: Path, pool: str) -> tuple[set[str], int]:
@@ -77,6 +88,8 @@ async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
     with lig_up(tmp_path / "state", "--pods", "2", "--pickers", "1") as stack:
         info = stack.info
         started = time.monotonic()
+        # Waiting on the fresh NATS meanwhile, which nothing else will ever write to.
+        picker = picker_process(info.pool, nats_server.url, stale_after=1.0)
         async with httpx.AsyncClient(timeout=30) as client:
             for i in range(REQUESTS):
                 response = await client.post(f"{stack.gateway}/v1/completions", json={
@@ -93,7 +106,7 @@ async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
     assert len(addresses) == 2 and snapshots > 20, (addresses, snapshots)
 
     # The stack is gone: from here on the only source of registry and metrics is the file.
-    picker = picker_process(info.pool, nats_server.url, stale_after=1.0)
+    await eventually(lambda: connected(picker), within=30, what="the picker on the fresh NATS")
     replay = start_replay(out, nats_server.url, "--prefix", info.prefix)
     try:
         await asyncio.to_thread(picker.wait_ready, 60)

@@ -27,6 +27,7 @@ from tests.support.kube_apiserver import KubeApiServer, matches
 from tests.support.ports import free_port
 from tests.support.processes import die_with_parent
 from tests.support.registry_yaml import dump
+from tests.support.waiting import eventually
 from tests.test_registry_service import LIG, bucket, poll_until
 
 PROMISE = 1.0  # seconds from an API change to the KV bucket
@@ -421,7 +422,7 @@ async def test_a_silent_watch_is_replaced_by_a_fresh_list(
     task = asyncio.create_task(source.run())
     try:
         await asyncio.wait_for(source.synced.wait(), 10)
-        await asyncio.sleep(0.1)  # the watches are open
+        await eventually(lambda: "Pod" in kube.watching(), what="the pods' watch open")
         kube.mute_watches()  # a connection dead without a FIN: nothing more arrives on it
         kube.put(pod("vllm-0", "10.1.0.1"))
 

@@ -427,9 +427,9 @@ def test_a_gray_pod_reports_idle_metrics_but_fails_completions(
             with pytest.raises(httpx.ReadTimeout):
                 client.post(gray.url(1) + "/v1/completions", json=body, timeout=0.5)
         else:
-            started = time.monotonic()
-            failed = client.post(gray.url(1) + "/v1/completions", json=body)
-            assert failed.status_code == 500 and time.monotonic() - started < 0.5
+            # Answered, not hung: the hang mode times out where this one says 500.
+            failed = client.post(gray.url(1) + "/v1/completions", json=body, timeout=5.0)
+            assert failed.status_code == 500
         page = metrics(client, gray.url(1))  # answered at once, and idle
         assert sample(page, "vllm:num_requests_running") == 0
         assert sample(page, "vllm:num_requests_waiting") == 0

@@ -181,6 +181,10 @@ class KubeApiServer:
         for watch in list(self._watches):
             watch.queue.put_nowait(None)
 
+    def watching(self) -> set[str]:
+        """The kinds with an open watch."""
+        return {watch.kind for watch in self._watches}
+
     def mute_watches(self) -> None:
         """Make every open watch silent but open, like a connection that died without a FIN."""
         for watch in self._watches:

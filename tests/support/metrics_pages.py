@@ -36,13 +36,18 @@ class PageServer:
     """One HTTP server; ``page``, ``status`` and ``delay_s`` may be changed while it runs."""
 
     def __init__(self, page: bytes, status: int = 200, delay_s: float = 0.0,
-                 path: str | None = None, chunked: bool = False, close: bool = False) -> None:
+                 path: str | None = None, chunked: bool = False, close: bool = False,
+                 stall_body: bool = False) -> None:
         self.page = page
         self.status = status
         self.delay_s = delay_s
         self.path = path  # None: every path serves the page
         self.chunked = chunked  # Transfer-Encoding: chunked instead of Content-Length
         self.close = close  # Connection: close after each response
+        # Announce the page's Content-Length, then send no body until stopped: a client that
+        # waits for the body shows it by timing out.
+        self.stall_body = stall_body
+        self._stopped = threading.Event()
         self.requests: list[Request] = []
         owner = self
 
@@ -71,6 +76,11 @@ class PageServer:
                 else:
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
+                    if owner.stall_body:
+                        self.wfile.flush()
+                        owner._stopped.wait(60)
+                        self.close_connection = True
+                        return
                     self.wfile.write(body)
 
             def log_message(self, format: str, *args: object) -> None:
@@ -93,6 +103,7 @@ class PageServer:
         return [request for request in list(self.requests) if request.at >= since]
 
     def stop(self) -> None:
+        self._stopped.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -104,8 +115,9 @@ class PageServers:
         self._servers: list[PageServer] = []
 
     def start(self, page: bytes, status: int = 200, delay_s: float = 0.0,
-              path: str | None = None, chunked: bool = False, close: bool = False) -> PageServer:
-        server = PageServer(page, status, delay_s, path, chunked, close)
+              path: str | None = None, chunked: bool = False, close: bool = False,
+              stall_body: bool = False) -> PageServer:
+        server = PageServer(page, status, delay_s, path, chunked, close, stall_body)
         self._servers.append(server)
         return server
 
