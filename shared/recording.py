@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamSource
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from shared.logs import RateLimitedLog
-from shared.replication import align_replicas
+from shared.replication import ReplicaAlignmentError, align_replicas
 
 log = logging.getLogger("lig.recording")
 
@@ -83,7 +83,7 @@ async def ensure_stream(js: JetStreamContext, wanted: StreamConfig) -> str:
     try:
         if await align_replicas(js, name, replicas):
             action = f"updated to {replicas} replicas"
-    except APIError as exc:
+    except ReplicaAlignmentError as exc:
         log.error("stream %s: cannot change to %d replicas, keeping %d: %s", name, replicas,
                   current.num_replicas or 1, exc)
     return action

@@ -15,6 +15,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 log = logging.getLogger("lig.nats")
 
@@ -53,18 +54,27 @@ def warn_about_replication(nc: Client, replicas: int, service: str) -> None:
         log.warning("%s: %s", service, warning)
 
 
+class ReplicaAlignmentError(Exception):
+    """The stream could not be given the replica count it should have (it keeps its own)."""
+
+
 async def align_replicas(js: JetStreamContext, stream: str, replicas: int) -> bool:
     """Give an existing stream ``replicas`` copies; True when it had to be updated.
 
-    Raises the server's error (e.g. "no suitable peers for placement" when the cluster is smaller
-    than ``replicas``); the stream then keeps its old count.
+    Raises :class:`ReplicaAlignmentError` with the reason: the server's refusal (e.g. "no
+    suitable peers for placement" when the cluster is smaller than ``replicas``) or no answer
+    in time (a busy cluster placing peers can answer after the request's timeout). The stream
+    then keeps its old count; the caller's next pass tries again.
     """
-    info = await js.stream_info(stream)
-    config = info.config
-    if (config.num_replicas or 1) == replicas:
-        return False
-    before = config.num_replicas or 1
-    config.num_replicas = replicas
-    await js.update_stream(config)
+    try:
+        info = await js.stream_info(stream)
+        config = info.config
+        if (config.num_replicas or 1) == replicas:
+            return False
+        before = config.num_replicas or 1
+        config.num_replicas = replicas
+        await js.update_stream(config)
+    except (APIError, TimeoutError) as exc:
+        raise ReplicaAlignmentError(str(exc) or type(exc).__name__) from exc
     log.info("stream %s: replicas %d -> %d", stream, before, replicas)
     return True

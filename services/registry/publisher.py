@@ -23,13 +23,13 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
-from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from services.registry.guard import Refusal, removal_refusal
 from services.registry.loader import Registry
 from shared.logs import RateLimitedLog
-from shared.replication import align_replicas
+from shared.replication import ReplicaAlignmentError, align_replicas
 from shared.schemas import encode
 from shared.subjects import endpoints_key, model_key, pool_key
 
@@ -153,7 +153,7 @@ class Publisher:
         try:
             await align_replicas(self._js, KV_STREAM_TEMPLATE.format(bucket=self._bucket),
                                  self._replicas)
-        except APIError as exc:
+        except ReplicaAlignmentError as exc:
             self._replica_errors.warning("KV bucket %s: cannot change to %d replicas: %s",
                                          self._bucket, self._replicas, exc)
 
