@@ -9,7 +9,7 @@ testing anything (docs/nats-py-flush.md has the trace and the numbers).
 The first ``flush()`` wakes the flusher, which writes the queued commands before that PING's PONG
 can be read (it runs before the next poll of the socket); the second PING is written after them,
 so its PONG means the server has processed them. Repeating subscribe, barrier, publish: one
-``flush()`` lost 5 of 400 messages here, :func:`synced` 0 of 2,000.
+``flush()`` lost 60 of 2,000 messages here, :func:`synced` 0 of 2,000.
 """
 
 from __future__ import annotations
