@@ -25,6 +25,7 @@ from lig.probes import grpc_serving, http_ok
 from lig.supervisor import Supervisor
 from lig.topology import LOOPBACK, StackPlan
 from services.kvevents.observability import FOLLOWED_GAUGE
+from shared import waits
 from shared.nats_connection import NatsSettings, connect
 from shared.schemas import DecodeError, EndpointSet, PodMetrics, decode
 from shared.subjects import Subjects, endpoints_key
@@ -182,8 +183,7 @@ async def wait_until_ready(plan: StackPlan, supervisor: Supervisor, stop: asynci
                     else:
                         break  # later checks depend on earlier ones: no need to probe them yet
                 if pending:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), POLL_INTERVAL)
+                    await waits.wait_set(stop, POLL_INTERVAL)
             for name in stack.expected_pods():
                 if not stack.snapshots[name].ok:
                     print(f"lig up: warning: pod {name} cannot be scraped: "
@@ -195,7 +195,7 @@ async def wait_until_ready(plan: StackPlan, supervisor: Supervisor, stop: asynci
                 stack.nc = stack.nc or await connecting
             if stack.nc is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(stack.nc.close(), 1.0)
+                    await waits.within(stack.nc.close(), 1.0)
 
 
 def _timed_out(pending: list[Check], supervisor: Supervisor, within: float) -> str:

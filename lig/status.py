@@ -42,6 +42,7 @@ from shared.nats_connection import (
 from shared.registry_view import RegistryView, RegistryWatcher
 from shared.schemas import DecodeError, PodMetrics, decode
 from shared.subjects import Subjects
+from shared.waits import within
 
 EXIT_ALL_FRESH = 0
 EXIT_NOT_FRESH = 1
@@ -153,7 +154,7 @@ def apply_stack_defaults(args: argparse.Namespace, stack: StackInfo | None
 
 async def _run(args: argparse.Namespace, settings: NatsSettings, picker_urls: list[str]) -> int:
     try:
-        nc = await asyncio.wait_for(connect(settings, "lig-status"), args.timeout)
+        nc = await within(connect(settings, "lig-status"), args.timeout)
     except (TimeoutError, OSError) as exc:
         print(f"lig status: cannot reach NATS at {settings.url}: {exc or 'timed out'}",
               file=sys.stderr)
@@ -177,7 +178,7 @@ async def _run(args: argparse.Namespace, settings: NatsSettings, picker_urls: li
             await asyncio.sleep(args.watch)
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 1.0)
+            await within(nc.close(), 1.0)
 
 
 async def collect(nc: Client, settings: NatsSettings, picker_urls: list[str],
@@ -212,7 +213,7 @@ async def read_registry(nc: Client, subjects: Subjects, wait: float) -> Registry
                               retry_interval=0.2)
     task = asyncio.create_task(watcher.run(stop))
     try:
-        await asyncio.wait_for(watcher.synced.wait(), wait)
+        await within(watcher.synced.wait(), wait)
     except TimeoutError:
         raise TimeoutError(f"no registry bucket {subjects.registry_bucket} within {wait}s: "
                            "is a registry running against this NATS?") from None

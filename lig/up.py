@@ -45,6 +45,7 @@ from services.registry.loader import InvalidRegistry, Registry
 from shared.logs import setup_logging
 from shared.schemas import Criticality
 from shared.service import run_service
+from shared.waits import wait_set
 
 EXIT_FAILED = 1
 EXIT_BAD_USAGE = 2
@@ -271,8 +272,7 @@ async def _watch(supervisor: Supervisor, stop: asyncio.Event) -> str | None:
         if dead is not None:
             supervisor.pump_logs(final=True)
             return dead.describe_exit()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.1)
+        await wait_set(stop, 0.1)
     return None
 
 

@@ -33,6 +33,7 @@ from shared.nats_connection import NatsSettings, add_nats_arguments, settings_fr
 from shared.schemas import DecodeError, PodMetrics, decode, encode
 from shared.service import cancel_and_wait, run_service
 from shared.subjects import Subjects
+from shared.waits import wait_set, within
 
 log = logging.getLogger("lig.replay")
 
@@ -115,7 +116,7 @@ async def _replay_and_report(settings: NatsSettings, header: FileHeader, source:
         return 1
     finally:
         with contextlib.suppress(NatsError, TimeoutError):
-            await asyncio.wait_for(nc.drain(), 2.0)
+            await within(nc.drain(), 2.0)
     state = "stopped" if stop.is_set() else "done"
     print(f"lig replay: {state}: {counts.snapshots} snapshots, {counts.registry} registry "
           f"writes ({counts.undecodable} snapshots unshifted, {counts.skipped} decisions not "
@@ -185,9 +186,7 @@ class Replay:
             if delay > 0:
                 await self.nc.flush()
                 since_flush = 0
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
-                if stop.is_set():
+                if await wait_set(stop, delay):
                     return
             if kind == Kind.REGISTRY_CHANGE:
                 await self._write_registry(entry)

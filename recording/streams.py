@@ -22,6 +22,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from shared.waits import within
+
 log = logging.getLogger("lig.record")
 
 BUFFER = 4096  # messages queued between the subscription and the export
@@ -155,7 +157,7 @@ async def _next(window: _Window, subscription: JetStreamContext.PushSubscription
     """The next queued item, waiting up to ``seconds``; None if nothing is pending any more
     (the age or size limit removed what was pending when counted)."""
     try:
-        return await asyncio.wait_for(window.queue.get(), seconds)
+        return await within(window.queue.get(), seconds)
     except TimeoutError:
         if (await subscription.consumer_info()).num_pending == 0 and window.queue.empty():
             return None

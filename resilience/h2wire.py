@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack.hpack import encode_integer
 
 from shared.service import cancel_and_wait
+from shared.waits import within
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
@@ -82,8 +83,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, int, bytes
 async def open_connection(host: str, port: int, connect_within: float = 5.0,
                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP connection with a large read limit (frames are read by length, not by line)."""
-    return await asyncio.wait_for(
-        asyncio.open_connection(host, port, limit=1 << 24), connect_within)
+    return await within(asyncio.open_connection(host, port, limit=1 << 24), connect_within)
 
 
 def close(writer: asyncio.StreamWriter) -> None:

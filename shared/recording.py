@@ -13,7 +13,6 @@ aligns an existing one with the flags, and retries until NATS lets it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ from nats.js.errors import NotFoundError
 
 from shared.logs import RateLimitedLog
 from shared.replication import ReplicaAlignmentError, align_replicas
+from shared.waits import wait_set
 
 log = logging.getLogger("lig.recording")
 
@@ -121,8 +121,7 @@ async def keep_stream(js: JetStreamContext, wanted: StreamConfig, stop: asyncio.
                      wanted.name, wanted.description, wanted.max_age or 0, size, replicas,
                      action)
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), retry_s)
+        await wait_set(stop, retry_s)
 
 
 async def keep_streams(js: JetStreamContext, wanted: Sequence[StreamConfig], stop: asyncio.Event,

@@ -33,6 +33,7 @@ from shared.schemas import (
     decode,
 )
 from shared.subjects import unescape_token
+from shared.waits import wait_set
 
 V = TypeVar("V", bound=Versioned)
 
@@ -153,8 +154,7 @@ class RegistryWatcher:
             if watch.done() and not watch.cancelled() and watch.exception() is not None:
                 log.warning("registry watch failed: %s; retrying", watch.exception())
             if not stop.is_set() and not self._resync.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._retry_interval)
+                await wait_set(stop, self._retry_interval)
 
     async def _watch_once(self) -> None:
         kv = await self._bucket_when_ready()

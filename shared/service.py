@@ -31,7 +31,7 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
 async def cancel_and_wait(task: asyncio.Task[Any], grace: float = 1.5) -> None:
     """Cancel ``task`` and wait up to ``grace`` seconds for it to end, cancelling it again
     every 0.5 s: on Python 3.11 ``asyncio.wait_for`` (which nats-py uses while connecting) can
-    swallow a cancellation, and a service must still stop."""
+    swallow a cancellation (:mod:`shared.waits`), and a service must still stop."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
     while not task.done():

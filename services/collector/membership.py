@@ -31,6 +31,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from shared.schemas import CollectorHeartbeat, DecodeError, decode, encode
+from shared.waits import wait_set
 
 log = logging.getLogger("lig.collector.membership")
 
@@ -144,8 +145,7 @@ class Membership:
             settle_until = loop.time() + self._interval_s
             next_beat = settle_until
             while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._interval_s / CHECKS_PER_INTERVAL)
+                await wait_set(stop, self._interval_s / CHECKS_PER_INTERVAL)
                 now = loop.time()
                 if not self.active and now >= settle_until:
                     self.active = True

@@ -16,7 +16,6 @@ pod published in between until a later batch showed the gap.)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from services.kvevents.sequencing import SequenceTracker, Verdict
 from shared.kv_blocks import KVBlockChanges
 from shared.kv_events import END_SEQ, AllBlocksCleared, EventBatch, KVEventDecoder
+from shared.waits import within
 
 log = logging.getLogger("lig.kv_events.pod")
 
@@ -255,7 +255,7 @@ class PodStream:
         size = 0
         try:
             for _ in range(self.settings.max_replay_batches + 1):
-                frames = await asyncio.wait_for(dealer.recv_multipart(),
+                frames = await within(dealer.recv_multipart(),
                                                 self.settings.replay_timeout_s)
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self._count("replay_malformed")

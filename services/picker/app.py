@@ -10,7 +10,6 @@ tests run it in their own event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -51,6 +50,7 @@ from shared.nats_connection import NatsSettings, connection
 from shared.registry_view import RegistryView, RegistryWatcher
 from shared.service import cancel_and_wait
 from shared.subjects import Subjects
+from shared.waits import wait_set
 
 log = logging.getLogger("lig.picker")
 
@@ -436,8 +436,7 @@ async def _housekeeping(stop: asyncio.Event, nats: _NatsLink, gateway: Gateway,
         metrics.nats_connected.set(1 if nats.connected else 0)
         metrics.show_pods(gateway.freshness(), gateway.in_flight())
         _sync_peer_metrics(gateway, metrics, reported)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), HOUSEKEEPING_INTERVAL)
+        await wait_set(stop, HOUSEKEEPING_INTERVAL)
 
 
 def _sync_peer_metrics(gateway: Gateway, metrics: PickerMetrics,

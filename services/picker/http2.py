@@ -79,7 +79,6 @@ transport; :class:`Http2Server` listens and drains.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import ssl
@@ -91,6 +90,7 @@ import hpack
 
 from services.picker.http2_limits import BufferBudget, Http2Limits, TokenBucket
 from shared.logs import RateLimitedLog
+from shared.waits import wait_set
 
 log = logging.getLogger("lig.picker.http2")
 
@@ -1142,8 +1142,7 @@ class Http2Server:
             self._server.close()
         for connection in list(self._connections):
             connection.drain()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace)
+        await wait_set(self._idle, grace)
         for connection in list(self._connections):
             log.info("closing an HTTP/2 connection with %d open calls after the grace period",
                      connection.open_streams)

@@ -31,6 +31,7 @@ from services.registry.name_conflicts import model_name_conflicts
 from services.registry.overrides import EndpointsOverride, apply_override
 from services.registry.publisher import Plan, Publisher, RemovalRefused
 from shared.logs import RateLimitedLog
+from shared.waits import wait_set
 
 log = logging.getLogger("lig.registry")
 
@@ -204,8 +205,7 @@ class Reconciler:
         if self._publish_pending and self.desired is not None:
             deadlines.append(self._retry_at)
         timeout = max(0.0, min(deadlines) - now)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), None if timeout == float("inf") else timeout)
+        await wait_set(self._wake, None if timeout == float("inf") else timeout)
         self._wake.clear()
 
 
