@@ -94,10 +94,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT,
                         help="port Envoy listens on for client requests")
     parser.add_argument("--free-ports", action="store_true",
-                        help="run the internal services on any free ports instead of their "
+                        help="run the internal services on free ports instead of their "
                              "defaults (NATS 4222, pods 8000+ with KV events on 7000+ and "
                              "replays on 7500+, pickers 9002/9003/9090 + 100 per replica, "
-                             "collector 9091, registry 9092, kv-events 9093, Envoy admin 9901)")
+                             "collector 9091, registry 9092, kv-events 9093, Envoy admin 9901): "
+                             "ports below the kernel's ephemeral range, leased while lig up "
+                             "runs so that no other `lig up --free-ports` gets them "
+                             "(lig/port_leases.py)")
     parser.add_argument("--response-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="Envoy answers 504 (upstream_timeout) when a model server sends "
                              "nothing for this long: no response start (a hung pod) or a "
