@@ -129,7 +129,13 @@ class Stack:
         self.nats.stop()
 
 
-def build_stack(workdir: Path, pods: int = 3, pickers: int = 1, stale_after: float = 0.5,
+# Snapshots come every 0.1 s; a loaded machine delayed one past 0.5 s, so a pod that had to be
+# chosen went stale for a moment and another was picked. 3 s is far from both.
+STALE_AFTER_S = 3.0
+
+
+def build_stack(workdir: Path, pods: int = 3, pickers: int = 1,
+                stale_after: float = STALE_AFTER_S,
                 adjust: Callable[[dict[str, Any]], None] | None = None,
                 server: str = "builtin") -> Stack:
     stack = Stack(workdir)
@@ -257,7 +263,7 @@ def test_stale_snapshots_stop_a_pod_from_being_chosen(shared: Stack) -> None:
     shared.only_qualifies(0)
     shared.settle(lambda: shared.served_by()[0] == "pod-0", "pod-0 chosen")
     assert set(shared.served_by(10)) == {"pod-0"}
-    shared.feed.pause("pod-0")  # its last snapshot (still the best) goes stale after 0.5 s
+    shared.feed.pause("pod-0")  # its last snapshot (still the best) goes stale after 3 s
     shared.settle(lambda: shared.served_by()[0] != "pod-0", "pod-0 dropped")
     assert "pod-0" not in shared.served_by(20)
 
