@@ -529,7 +529,10 @@ def test_workers_share_the_ports_and_stop_together(
         feed.set_pool()
         feed.set_endpoints({"pod-0": "127.0.0.1:9"})
         feed.set_metrics("pod-0", "127.0.0.1:9", **IDLE)
-        picker = picker_process(POOL, nats_server.url, extra_args=("--workers", "2"))
+        # A short drain: the 2 s bound is for stopping two workers, not the 1.1 s default
+        # drain (tested in test_picker_workers.py), which left a loaded machine 0.4 s.
+        picker = picker_process(POOL, nats_server.url,
+                                extra_args=("--workers", "2", "--drain-delay", "0.2"))
         picker.wait_ready()
         children = Path(f"/proc/{picker.pid}/task/{picker.pid}/children").read_text().split()
         assert len(children) >= 2  # the workers (and multiprocessing's resource tracker)
