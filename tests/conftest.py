@@ -9,4 +9,5 @@ pytest_plugins = [
     "tests.support.simulator",
     "tests.support.kube_apiserver",
     "tests.support.process_marker",
+    "tests.support.process_leaks",
 ]

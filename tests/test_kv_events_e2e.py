@@ -30,6 +30,7 @@ from simulator import tokenizer
 from tests.support.collector import pod, put_pool, registry_bucket
 from tests.support.nats_sync import subscribed
 from tests.support.ports import free_port, free_port_range
+from tests.support.processes import die_with_parent
 from tests.support.simulator import REPO_ROOT, SimulatedPods
 from tests.support.waiting import eventually
 
@@ -94,7 +95,7 @@ class EventPods(SimulatedPods):
             [sys.executable, "-m", "lig.cli", "sim", "--host", "127.0.0.1",
              "--base-port", str(self.ports[0]), *self._args],
             cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)},
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -136,7 +137,7 @@ def kv_events_process(nats_url: str, pods: EventPods | None, *flags: str,
          "--host", "127.0.0.1", "--metrics-port", str(metrics_port), "--replay-timeout", "1",
          "--heartbeat", str(HEARTBEAT_S), *flags],
         cwd=REPO_ROOT, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)}, stdout=log,
-        stderr=subprocess.STDOUT)
+        stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     try:
         yield process, metrics_port, log
     finally:

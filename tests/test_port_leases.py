@@ -84,6 +84,9 @@ def test_consecutive_ports_skip_what_must_be_avoided_and_busy_ports(tmp_path: Pa
 def test_a_listener_outside_any_lease_is_skipped(tmp_path: Path) -> None:
     ports = small_range(1)
     with socket.socket() as squatter:
+        # As servers do: the block may have been leased (and its ports used) before, and an
+        # earlier connection lingering in TIME_WAIT does not keep a server from binding.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", ports.start))
         squatter.listen()
         with PortLeases(ports, tmp_path) as leases:

@@ -32,6 +32,7 @@ from shared.schemas import EndpointSet, InferenceModel, decode
 from shared.subjects import Subjects
 from tests.support.nats_server import NatsServer
 from tests.support.ports import LEASES, free_port
+from tests.support.processes import die_with_parent
 from tests.support.registry_yaml import dump, model, pool
 
 BUCKET = Subjects().registry_bucket
@@ -350,7 +351,8 @@ def start_lig(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path
 def spawn(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp_path / f"registry-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                   preexec_fn=die_with_parent)
     return process, log
 
 

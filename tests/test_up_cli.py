@@ -21,6 +21,7 @@ import httpx
 from lig.server_binaries import LOCAL_EXTRA_INSTALL
 from lig.topology import StackInfo
 from tests.support.ports import free_port
+from tests.support.processes import die_with_parent
 from tests.support.simulator import SimulatedPods
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def lig_up(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "lig.cli", "up", "--free-ports", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            preexec_fn=die_with_parent)
 
 
 def pid_alive(pid: int) -> bool:

@@ -21,6 +21,7 @@ from services.collector.main import Collector, CollectorSettings
 from shared.nats_connection import NatsSettings
 from shared.schemas import Endpoint, EndpointSet, InferencePool, PodMetrics, decode, encode
 from shared.subjects import Subjects, endpoints_key, pool_key
+from tests.support.processes import die_with_parent
 
 SUBJECTS = Subjects()
 LIG = Path(sys.executable).with_name("lig")
@@ -103,6 +104,7 @@ def collector_process(nats_url: str, collector_id: str, *flags: str,
         [str(LIG), "collector", "--nats-url", nats_url, "--collector-id", collector_id,
          "--metrics-port", "0", *flags],
         stdout=output, stderr=output, env={**os.environ, "LIG_LOG_LEVEL": "INFO"},
+        preexec_fn=die_with_parent,
     )
     try:
         yield process

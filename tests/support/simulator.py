@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from tests.support.ports import free_port_range
+from tests.support.processes import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,10 +51,14 @@ class SimulatedPods:
         seed: int = 0,
         extra_args: Sequence[str] = (),
         port_args: Callable[[int], Sequence[str]] | None = None,
+        port_span: int | None = None,
     ) -> None:
         self.count = count
-        # More flags that depend on the first pod's port (e.g. ports at a fixed offset from it).
+        # More flags that depend on the first pod's port (e.g. ports at a fixed offset from it),
+        # and how many consecutive ports to lease from it (the pods take the first ``count``;
+        # the rest are for those flags): an unleased port is not safe to bind.
         self._port_args = port_args
+        self._port_span = max(count, port_span or count)
         self.model = model
         self.loras = tuple(loras)
         self.time_scale = time_scale
@@ -79,7 +84,8 @@ class SimulatedPods:
 
     def start(self, timeout: float = 30.0) -> SimulatedPods:
         """Start the process on leased ports and wait until every pod answers ``/health``."""
-        base = free_port_range(self.count)
+        assert self._process is None, "already started: its process would be left running"
+        base = free_port_range(self._port_span)
         self.ports = list(range(base, base + self.count))
         if self._log is not None:
             self._log.close()
@@ -92,6 +98,7 @@ class SimulatedPods:
             env=os.environ | {"PYTHONPATH": str(REPO_ROOT)},
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
