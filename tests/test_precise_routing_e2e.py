@@ -36,9 +36,11 @@ from tests.test_kv_events_e2e import kv_events_process
 pytestmark = pytest.mark.process  # real NATS, Envoy, picker, collector, kv-events and sims
 
 # Every pod publishes its events at its serving port + EVENTS_OFFSET (replay + REPLAY_OFFSET):
-# one fleet-wide offset, as lig kv-events takes it, across several lig sim processes.
-EVENTS_OFFSET = 1000
-REPLAY_OFFSET = 2000
+# one fleet-wide offset, as lig kv-events takes it, across several lig sim processes of up to
+# EVENTS_OFFSET pods, each leasing PORT_SPAN ports from its first pod's.
+EVENTS_OFFSET = 4
+REPLAY_OFFSET = 8
+PORT_SPAN = 12
 PREFIX_WORDS = 1200  # about 1,200 tokens of lig sim's tokenizer: 75 blocks of 16
 QUESTIONS = 4
 
@@ -115,7 +117,7 @@ def running_fleet(nats_url: str, workdir: Path, sims: dict[str, SimulatedPods],
     collector, lig kv-events, one picker (``picker_args``) and Envoy."""
     with contextlib.ExitStack() as stack:
         for pods in sims.values():
-            stack.enter_context(pods.start())
+            stack.enter_context(pods)  # starts them (a start() before it started them twice)
         members = {pool: [(name, sims[group], index) for name, group, index in listed]
                    for pool, listed in pools.items()}
         asyncio.run(_register(nats_url, members))
@@ -141,11 +143,12 @@ def running_fleet(nats_url: str, workdir: Path, sims: dict[str, SimulatedPods],
 @pytest.fixture
 def fleet(nats_server: Any, tmp_path: Path) -> Iterator[Fleet]:
     sims = {
-        "a-map": SimulatedPods(2, model="sim-a", time_scale=50.0, port_args=event_args("map")),
+        "a-map": SimulatedPods(2, model="sim-a", time_scale=50.0, port_args=event_args("map"),
+                               port_span=PORT_SPAN),
         "a-array": SimulatedPods(2, model="sim-a", time_scale=50.0, seed=1,
-                                 port_args=event_args("array")),
+                                 port_args=event_args("array"), port_span=PORT_SPAN),
         "b": SimulatedPods(2, model="sim-b", time_scale=50.0, seed=2,
-                           port_args=event_args("map")),
+                           port_args=event_args("map"), port_span=PORT_SPAN),
     }
     pools = {"pool-a": [(f"{group}-{i}", group, i) for group in ("a-map", "a-array")
                         for i in range(2)],
@@ -210,7 +213,7 @@ def test_exact_routing_with_a_tokenizer_json(nats_server: Any, tmp_path: Path) -
     --tokenizer`` read the same tokenizer.json (a byte-level BPE with a ChatML template)."""
     directory = write_tokenizer(tmp_path / "tokenizer").parent
     sims = {"h": SimulatedPods(3, model="sim-h", time_scale=50.0, port_args=event_args("map"),
-                               extra_args=("--tokenizer", str(directory)))}
+                               port_span=PORT_SPAN, extra_args=("--tokenizer", str(directory)))}
     pools = {"pool-h": [(f"h-{i}", "h", i) for i in range(3)]}
     with running_fleet(nats_server.url, tmp_path, sims, pools,
                        ("--tokenizer", f"pool-h={directory}")) as running:
