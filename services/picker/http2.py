@@ -82,6 +82,7 @@ import asyncio
 import heapq
 import logging
 import ssl
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -225,13 +226,14 @@ class Http2Connection(asyncio.Protocol):
                  warnings: RateLimitedLog | None = None,
                  budget: BufferBudget | None = None,
                  reclaim: Callable[[Http2Connection], bool] = lambda connection: False,
+                 clock: Callable[[], float] = time.monotonic,
                  ) -> None:
         """``loop`` runs the preface and idle timers (none without it); ``on_error`` is called
         with the kind of each connection error (an RFC 9113 error name, or PREFACE_TIMEOUT);
         ``warnings`` throttles the log lines about them. ``budget`` is shared by the server's
         connections (none: this connection is bounded by its own caps only); ``reclaim`` makes
         room in it for this connection (see :meth:`Http2Server._reclaim`), False when it
-        cannot."""
+        cannot. ``clock`` refills the control-frame and reset budgets (tests freeze it)."""
         self._handlers = handlers
         self._max_message = max_message
         self._on_lost = on_lost
@@ -273,8 +275,8 @@ class Http2Connection(asyncio.Protocol):
         self._budget = budget if budget is not None else BufferBudget(1 << 62)
         self._reclaim = reclaim
         self._reserved = DEFAULT_WINDOW
-        self._control = TokenBucket(limits.control_burst, limits.control_rate)
-        self._resets = TokenBucket(limits.reset_burst, limits.reset_rate)
+        self._control = TokenBucket(limits.control_burst, limits.control_rate, clock)
+        self._resets = TokenBucket(limits.reset_burst, limits.reset_rate, clock)
         self._paused = False  # the transport's write buffer is above its high-water mark
         self._processing = False  # inside _process: a resume must not start another
         self._draining = False  # no new streams: our final GOAWAY went out, or the client sent one

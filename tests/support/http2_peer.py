@@ -121,15 +121,19 @@ class Peer:
     def __init__(self, end_after: int | None = None, max_message: int = 1000,
                  limits: Http2Limits | None = None,
                  handler: Callable[[list[str]], Echo] | None = None,
-                 budget: BufferBudget | None = None) -> None:
+                 budget: BufferBudget | None = None,
+                 clock: Callable[[], float] = lambda: 0.0) -> None:
         """``budget``: a server-wide budget this connection alone draws on (it reclaims from
-        its own partial messages)."""
+        its own partial messages). ``clock`` refills the connection's control-frame and reset
+        budgets: frozen by default, so a flood is judged on the frames alone (on the real clock
+        a loaded machine refilled the budget while it was still reading the flood)."""
         self.log: list[str] = []
         self.lost = False
         make = handler or (lambda log: Echo(log, end_after))
         self.connection = Http2Connection({PATH: lambda: make(self.log)}, max_message,
                                           on_lost=lambda _: setattr(self, "lost", True),
-                                          limits=limits, budget=budget, reclaim=self._reclaim)
+                                          limits=limits, budget=budget, reclaim=self._reclaim,
+                                          clock=clock)
         self.transport = FakeTransport()
         self.transport.protocol = self.connection
         self.connection.connection_made(self.transport)
@@ -197,6 +201,9 @@ class RawClient:
             try:
                 data = await asyncio.wait_for(self.reader.read(1 << 20), quiet)
             except TimeoutError:
+                return
+            except ConnectionError:  # the server reset it (an attacker it cut off): the end
+                self.eof = True
                 return
             if not data:
                 self.eof = True
@@ -279,7 +286,10 @@ async def trickle(clients: Sequence[RawClient], size: int, seconds: float, round
             went = client.send(1, data)
             sent[index] += went
             progress += went
-            await client.writer.drain()
+            try:
+                await client.writer.drain()
+            except ConnectionError:  # cut off by the server between two reads
+                client.eof = True
         await asyncio.sleep(0.01)
         after_round()
         still = 0 if progress else still + 1
