@@ -136,7 +136,9 @@ async def test_failing_pod_is_backed_off_and_its_return_noticed(nats_server, pag
         kv = await registry_bucket(nc)
         await put_pool(kv, InferencePool(name="main", target_port=8000), [pod("flaky", flaky.port)])
         async with snapshot_log(nc) as log, running_collector(
-            settings(nats_server.url, interval_s=0.05, scrape_timeout_s=0.04, max_backoff_s=0.4)
+            # A 90 ms timeout: the page server runs in this process, which a loaded machine
+            # slows, and the recovery below needs a scrape that succeeds.
+            settings(nats_server.url, interval_s=0.1, scrape_timeout_s=0.09, max_backoff_s=0.8)
         ):
             await eventually(lambda: len(log.of("flaky")) >= 4, within=10)
             failing = log.of("flaky")
@@ -144,7 +146,7 @@ async def test_failing_pod_is_backed_off_and_its_return_noticed(nats_server, pag
             gaps = [(b.scrape_time_ns - a.scrape_time_ns) / 1e9
                     for a, b in itertools.pairwise(failing)]
             # 2x, 4x the interval, give or take the lateness of a timer on a busy machine
-            assert gaps[0] >= 0.1 - 0.03 and gaps[1] >= 0.2 - 0.03, gaps
+            assert gaps[0] >= 0.2 - 0.03 and gaps[1] >= 0.4 - 0.03, gaps
             flaky.status = 200
             await eventually(lambda: log.latest("flaky").ok, within=3,  # type: ignore[union-attr]
                              what="recovery within the backoff cap")

@@ -295,6 +295,14 @@ def test_any_body_is_routed_or_a_400_and_a_rewrite_changes_only_model(
     assert isinstance(outcome, Routed) or outcome.status == 400, outcome
 
 
+def test_a_prompt_of_the_wrong_type_before_malformed_json_is_a_400() -> None:
+    """Found by the property above: the typed read stops at ``"prompt": false``, the
+    model-only read then meets the malformed JSON after it, and raised out of the router."""
+    body = b'{"prompt": false\x00, "model": "chat"}'
+    status, error = error_of(_ROUTING_FLEET.router.route(body))
+    assert (status, error["code"]) == (400, "invalid_json")
+
+
 _ROUTING_FLEET = Fleet().model("chat", targets={"chat-v2": 1}).model("plain").pod("a", 8001)
 
 

@@ -624,11 +624,16 @@ def read_request(body: bytes) -> RequestFields | Rejected:
 
 
 def _model_only(body: bytes) -> RequestFields | Rejected:
-    """Read ``model`` alone from a body whose prompt fields did not fit :class:`RequestFields`."""
+    """Read ``model`` alone from a body whose prompt fields did not fit :class:`RequestFields`.
+
+    The JSON may still be malformed after the field that did not fit (the first decode stopped
+    there): that is the 400 ``invalid_json``, not an exception out of the router."""
     try:
         model = _decode_model(body).model
-    except msgspec.ValidationError as exc:
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: first
         return reject(400, f"invalid request body: {exc}", "invalid_request")
+    except msgspec.DecodeError:
+        return reject(400, "request body is not valid JSON", "invalid_json")
     except RecursionError:
         return _too_deep()
     return RequestFields(model=model)
