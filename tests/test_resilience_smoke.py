@@ -50,7 +50,8 @@ async def test_every_attack_and_one_fault_run_and_report() -> None:
     assert _named(figures, "amplification", "sent").value.startswith("100 HEADERS frames")
     assert _named(figures, "huge header block", "sent").value.startswith("1 1 MiB HEADERS")
     assert _named(figures, "partial messages", "sent").value.startswith("8 1 MiB frames")
-    assert re.fullmatch(r"\d+/5", _named(
+    # Up to 5: the tool opens what it can within the hold (1 s), fewer on a loaded machine.
+    assert re.fullmatch(r"\d+/[1-5]", _named(
         figures, "slow peers", "silent connections closed within 1 s").value)
     amplified = _named(figures, "amplification", "picker-0 RSS growth")
     assert amplified.passed, amplified
