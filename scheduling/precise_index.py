@@ -11,9 +11,20 @@ tokenizer, are then looked up by :meth:`PreciseIndex.match`.
 
 What is kept, per pod:
 
-- per data-parallel rank, ``engine hash -> key`` (what ``BlockRemoved`` and the parents of later
-  ``BlockStored`` events name) and the hashes in store order (for eviction). A rank is a cache of
-  its own: ``AllBlocksCleared`` and resync markers clear the rank whose stream they came from;
+- per data-parallel rank and KV-cache group, ``engine hash -> key`` (what ``BlockRemoved`` and
+  the parents of later ``BlockStored`` events name) and the hashes in store order (for
+  eviction). A rank is a cache of its own: ``AllBlocksCleared`` and resync markers clear the
+  rank whose stream they came from, every group of it;
+- KV-cache groups (hybrid models: full attention beside sliding-window or mamba layers) each
+  announce the same block hashes for their own copy, and evict on their own: a sliding-window
+  group drops blocks that left its window while the full-attention group keeps them. So each
+  group's blocks are held apart, and a ``BlockRemoved`` of one group releases only that group's
+  holding: the pod holds a block while any group of any rank does. A parent is looked up in its
+  group, then in the rank's other groups (the keys are the tokens', the same in every group).
+  The block size that prompts are cut by is taken from full-attention groups (or group 0 when
+  the kind is not sent): a sliding-window group may use another. What this counts as a hit is
+  what the full-attention group holds; when vLLM has dropped the sliding-window blocks at the
+  end of that prefix it recomputes at most one window (docs/kv-events.md);
 - the keys any of its ranks holds. A pod holds a block when one of its ranks does: vLLM's
   front end spreads a pod's requests over its ranks by load, not by prefix, so a match is the
   best case of the pod's ranks (documented in docs/kv-events.md);
@@ -58,17 +69,21 @@ _HASH_MASK = (1 << 60) - 1
 _GPU = frozenset({None, "GPU", "gpu"})
 _MAX_BLOCK_SIZE = 4096  # tokens (what lig kv-events accepts; NATS input is checked again)
 _MAX_LORA_NAMES = 4096  # adapters remembered from events (a bound on what events can grow)
+# KV-cache group kinds that hold every block of a cached prefix (vLLM's KVCacheSpecKind): their
+# block size is the one prompts are cut by.
+_PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
 class PreciseStats:
     """What :meth:`PreciseIndex.apply` did, counted (read by the picker's metrics collector)."""
 
-    __slots__ = ("cleared", "evicted", "messages", "removed", "removed_unknown", "resyncs",
-                 "skipped", "stored")
+    __slots__ = ("cleared", "evicted", "messages", "reannounced", "removed", "removed_unknown",
+                 "resyncs", "skipped", "stored")
 
     def __init__(self) -> None:
         self.messages = 0  # KVBlockChanges applied
         self.stored = 0  # blocks filed
+        self.reannounced = 0  # blocks announced again as they were (vLLM's full report mode)
         self.removed = 0  # blocks removed by BlockRemoved
         self.removed_unknown = 0  # BlockRemoved hashes the index did not hold (skipped blocks)
         self.cleared = 0  # ranks cleared (AllBlocksCleared, resync markers)
@@ -104,14 +119,16 @@ class _Rank:
 
 
 class _Pod:
-    """One pod: its ranks, the keys they hold, and the keys speculated on it."""
+    """One pod: its ranks (each a cache per KV-cache group), the keys they hold, and the keys
+    speculated on it."""
 
     __slots__ = ("events", "extra", "keys", "name", "ranks", "speculative")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.events = False  # some KVBlockChanges of this pod arrived
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks: dict[int, dict[int, _Rank]] = {}
+        """Data-parallel rank -> KV-cache group -> that group's cache."""
         self.keys: set[int] = set()
         # Holdings of a key beyond the first (another rank, or another engine hash of the same
         # tokens): the key stays in ``keys`` until the last one goes. Usually empty.
@@ -212,9 +229,9 @@ class PreciseIndex:
         if not pod.events:
             pod.events = True
             self._publishing.add(changes.pod)
-        rank = pod.ranks.get(changes.dp_rank)
-        if rank is None:
-            rank = pod.ranks[changes.dp_rank] = _Rank()
+        groups = pod.ranks.get(changes.dp_rank)
+        if groups is None:
+            groups = pod.ranks[changes.dp_rank] = {}
         stats = self.stats
         stats.messages += 1
         if changes.resync:
@@ -222,15 +239,20 @@ class PreciseIndex:
         for op in changes.ops:
             kind = type(op)
             if kind is BlockStored:
-                self._store(pod, rank, op)  # type: ignore[arg-type]
+                group = op.group_idx  # type: ignore[union-attr]
+                cache = groups.get(group)
+                if cache is None:
+                    cache = groups[group] = _Rank()
+                self._store(pod, cache, groups, op)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
-                self._remove(pod, rank, op)  # type: ignore[arg-type]
+                self._remove(pod, groups.get(op.group_idx), op)  # type: ignore[union-attr, arg-type]
             else:  # AllBlocksCleared
-                rank = self._clear(pod, changes.dp_rank)
+                groups = self._clear(pod, changes.dp_rank)
         if self._live > self.max_blocks:
             self._evict()
 
-    def _store(self, pod: _Pod, rank: _Rank, op: BlockStored) -> None:
+    def _store(self, pod: _Pod, rank: _Rank, groups: dict[int, _Rank],
+               op: BlockStored) -> None:
         hashes = op.block_hashes
         skipped = self.stats.skipped
         if op.medium not in _GPU:
@@ -244,7 +266,11 @@ class PreciseIndex:
         if parent is None:
             seed = self._root(op.lora_name)
         else:
-            found = blocks.get(parent & _HASH_MASK)
+            masked_parent = parent & _HASH_MASK
+            found = blocks.get(masked_parent)
+            if found is None:  # another group of the rank may still hold it (sliding window)
+                found = next((other.blocks[masked_parent] for other in groups.values()
+                              if masked_parent in other.blocks), None)
             if found is None:
                 skipped["parent"] += len(hashes)
                 return
@@ -259,18 +285,21 @@ class PreciseIndex:
             return
         if len(keys) < len(hashes):  # fewer token ids than full blocks: the rest is unknown
             skipped["token_ids"] += len(hashes) - len(keys)
-        self.block_size = op.block_size
+        if op.kind in _PREFIX_KINDS or (op.kind is None and op.group_idx == 0):
+            self.block_size = op.block_size
         masked = [engine_hash & _HASH_MASK for engine_hash in hashes[:len(keys)]]
         if blocks.keys().isdisjoint(masked):  # the usual case: all new
             blocks.update(zip(masked, keys, strict=True))
             rank.order += masked
             pod.hold(keys)
             self._live += len(keys)
+            self.stats.stored += len(keys)
         else:
             for engine_hash, key in zip(masked, keys, strict=True):
                 old = blocks.get(engine_hash)
-                if old == key:
-                    continue  # announced twice
+                if old == key:  # announced again: a prefix-cache hit in full report mode
+                    self.stats.reannounced += 1
+                    continue
                 if old is not None:
                     pod.release([old])
                     self._live -= 1
@@ -278,7 +307,7 @@ class PreciseIndex:
                 rank.order.append(engine_hash)
                 pod.hold([key])
                 self._live += 1
-        self.stats.stored += len(keys)
+                self.stats.stored += 1
         rank.tidy()
 
     def _root(self, lora_name: str | None) -> int:
@@ -291,8 +320,11 @@ class PreciseIndex:
                 self.lora_names.add(lora_name)
         return root
 
-    def _remove(self, pod: _Pod, rank: _Rank, op: BlockRemoved) -> None:
+    def _remove(self, pod: _Pod, rank: _Rank | None, op: BlockRemoved) -> None:
         if op.medium not in _GPU:
+            return
+        if rank is None:  # a group that stored nothing here
+            self.stats.removed_unknown += len(op.block_hashes)
             return
         pop = rank.blocks.pop
         keys = [key for engine_hash in op.block_hashes
@@ -302,19 +334,20 @@ class PreciseIndex:
         self.stats.removed += len(keys)
         self.stats.removed_unknown += len(op.block_hashes) - len(keys)
 
-    def _clear(self, pod: _Pod, dp_rank: int) -> _Rank:
-        """Empty one rank of ``pod``; returns its new (empty) state."""
-        old = pod.ranks.get(dp_rank)
-        if old is not None:
+    def _clear(self, pod: _Pod, dp_rank: int) -> dict[int, _Rank]:
+        """Empty one rank of ``pod``, every group of it; returns its new (empty) groups."""
+        for old in pod.ranks.get(dp_rank, {}).values():
             pod.release(list(old.blocks.values()))
             self._live -= len(old.blocks)
         self.stats.cleared += 1
-        rank = pod.ranks[dp_rank] = _Rank()
-        return rank
+        groups: dict[int, _Rank] = {}
+        pod.ranks[dp_rank] = groups
+        return groups
 
     def _evict(self) -> None:
         """Drop blocks until the bound holds: the oldest stored of the rank holding the most."""
-        ranks = [(pod, rank) for pod in self._pods.values() for rank in pod.ranks.values()]
+        ranks = [(pod, rank) for pod in self._pods.values() for groups in pod.ranks.values()
+                 for rank in groups.values()]
         while self._live > self.max_blocks:
             pod, rank = max(ranks, key=lambda entry: len(entry[1].blocks))
             excess = self._live - self.max_blocks
@@ -406,7 +439,8 @@ class PreciseIndex:
         if entry is None:
             return
         self._publishing.discard(pod)
-        self._live -= sum(len(rank.blocks) for rank in entry.ranks.values())
+        self._live -= sum(len(rank.blocks) for groups in entry.ranks.values()
+                          for rank in groups.values())
         self._speculated -= sum(len(keys) for _, keys in entry.speculative)
 
 

@@ -1,11 +1,18 @@
 """vLLM's KV-cache events on the wire: decode them defensively, and encode them (simulator).
 
 A ZMQ PUB message is ``[topic, seq (8 bytes, big-endian), payload (msgpack)]``; the payload is
-``[ts, events]`` or ``[ts, events, data_parallel_rank]``. Each event is either a positional array
-whose first element is its type (vLLM up to 0.23: ``["BlockStored", block_hashes,
-parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...]``) or a map tagged with
-``"type"`` (since vLLM PR #42892). Both are accepted in one stream; missing optional fields get
-defaults and unknown fields are ignored. See docs/kv-events.md for the sources.
+``[ts, events]`` or ``[ts, events, data_parallel_rank]`` (a map with those keys is accepted too).
+Each event is either a positional array whose first element is its type (vLLM up to 0.23:
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name, extra_keys, group_idx, ...]``) or a map tagged with ``"type"`` (since vLLM PR #42892;
+what vLLM 0.33 sends, defaults omitted). Both are accepted in one stream; missing optional fields
+get defaults and unknown fields are ignored. See docs/kv-events.md for the sources.
+
+Hybrid models have several KV-cache groups (full attention, sliding window, mamba): each event
+names its ``group_idx`` (0 when absent), and a ``BlockStored`` the group's kind. A block stored
+with a ``lora_id`` but no ``lora_name`` (vLLM before the name was sent) is filed under the name
+the decoder's ``lora_names`` gives that id, else under ``lora-id:<id>``: never as a base-model
+block.
 
 Block hashes arrive as uint64, int64 or bytes; :func:`normalise_hash` maps them all to one
 uint64 so that a ``BlockRemoved`` finds what its ``BlockStored`` filed, whatever encoding each
@@ -18,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -30,9 +37,15 @@ log = logging.getLogger("lig.kv_events")
 U64 = (1 << 64) - 1
 END_SEQ = b"\xff" * 8
 """The replay socket's end marker: sequence -1 as a signed 8-byte big-endian integer."""
+MAX_GROUPS = 1024
+"""KV-cache groups a pod may have (a hybrid model has a few)."""
 
 Encoding = Literal["array", "map"]
 ENCODINGS: tuple[Encoding, ...] = ("array", "map")
+HashType = Literal["int", "bytes"]
+HASH_TYPES: tuple[HashType, ...] = ("int", "bytes")
+"""vLLM sends uint64 block hashes by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), 32-byte
+digests otherwise."""
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -57,13 +70,19 @@ class BlockStored(msgspec.Struct, array_like=True, tag="s", frozen=True):
     block_size: int
     lora_name: str | None = None
     medium: str | None = None
+    group_idx: int = 0
+    """The KV-cache group (hybrid models have several; 0 for the rest)."""
+    kind: str | None = None
+    """The group's kind as vLLM names it (``full_attention``, ``sliding_window``, ``mamba``,
+    ...); None when the publisher did not say."""
 
 
 class BlockRemoved(msgspec.Struct, array_like=True, tag="r", frozen=True):
-    """Blocks left the cache."""
+    """Blocks left the cache (of one KV-cache group)."""
 
     block_hashes: tuple[int, ...]
     medium: str | None = None
+    group_idx: int = 0
 
 
 class AllBlocksCleared(msgspec.Struct, array_like=True, tag="c", frozen=True):
@@ -106,6 +125,8 @@ def normalise_hash(value: object) -> int | None:
 # cost saved. Anything they reject goes through the tolerant path below, which decides.
 _Token = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+_Group = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
+_LoraId = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 
 
 class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
@@ -113,13 +134,17 @@ class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     block_size: int
     parent_block_hash: int | bytes | None = None
     token_ids: list[_Token] = []
+    lora_id: _LoraId | None = None
     medium: str | None = None
     lora_name: str | None = None
+    group_idx: _Group | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None = None
+    group_idx: _Group | None = None
 
 
 class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
@@ -131,14 +156,18 @@ class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     parent_block_hash: int | bytes | None
     token_ids: list[_Token]
     block_size: int
-    lora_id: int | None = None
+    lora_id: _LoraId | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: _Group | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None = None
+    group_idx: _Group | None = None
 
 
 class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
@@ -157,27 +186,47 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     data_parallel_rank: _Rank | None = None
 
 
+class _KeyedBatch(msgspec.Struct):
+    """An ``EventBatch`` encoded as a map (a publisher without ``array_like``)."""
+
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: _Rank | None = None
+
+
 class _Malformed(ValueError):
     """Why one event or message was skipped (the reason is the counter's label)."""
 
 
 # Positional field order of vLLM's array-encoded events (after the type tag).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class KVEventDecoder:
     """Decodes messages from one or more pods; ``skipped`` counts what was dropped, by reason."""
 
     def __init__(self, limits: Limits | None = None,
-                 on_skip: Callable[[str], None] = lambda reason: None) -> None:
+                 on_skip: Callable[[str], None] = lambda reason: None,
+                 lora_names: Mapping[int, str] | None = None) -> None:
         self.limits = limits or Limits()
         self._on_skip = on_skip
+        self._lora_names = dict(lora_names or {})
         self.skipped: Counter[str] = Counter()
         self._payload = msgspec.msgpack.Decoder()
-        self._typed = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+        self._typed = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch),
+                       msgspec.msgpack.Decoder(_KeyedBatch))
         self._log = RateLimitedLog(log)
+
+    def adapter(self, lora_name: object, lora_id: object) -> str | None:
+        """The adapter a block is filed under: its name, else the name ``lora_names`` gives
+        its id, else ``lora-id:<id>``; None for the base model."""
+        if isinstance(lora_name, str):
+            return lora_name[:256]
+        if type(lora_id) is not int:
+            return None
+        return self._lora_names.get(lora_id) or f"lora-id:{lora_id}"
 
     def decode_message(self, frames: list[bytes]) -> EventBatch | None:
         """A PUB message ``[topic, seq, payload]``; None (counted, logged) if it is malformed."""
@@ -228,7 +277,8 @@ class KVEventDecoder:
                     hashes = _typed_hashes(event.block_hashes, limits)
                     if hashes is None:
                         return None
-                    events.append(BlockRemoved(hashes, _optional_str(event.medium)))
+                    events.append(BlockRemoved(hashes, _optional_str(event.medium),
+                                               event.group_idx or 0))
                 elif isinstance(event, _MapCleared | _ArrayCleared):
                     events.append(AllBlocksCleared())
                 else:
@@ -243,8 +293,10 @@ class KVEventDecoder:
                         if parent is None:
                             return None
                     events.append(BlockStored(hashes, parent, tuple(event.token_ids), block_size,
-                                              _optional_str(event.lora_name),
-                                              _optional_str(event.medium)))
+                                              self.adapter(event.lora_name, event.lora_id),
+                                              _optional_str(event.medium),
+                                              event.group_idx or 0,
+                                              _optional_str(event.kv_cache_spec_kind)))
             return EventBatch(seq, raw.ts, events, raw.data_parallel_rank, 0)
         return None
 
@@ -254,6 +306,8 @@ class KVEventDecoder:
         self._log.warning("skipping a malformed KV-event message (%s): %s", reason, detail)
 
     def _batch(self, seq: int, raw: Any) -> EventBatch:
+        if isinstance(raw, dict) and "ts" in raw and "events" in raw:
+            raw = [raw["ts"], raw["events"], raw.get("data_parallel_rank")]
         if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
             raise _Malformed("batch", "payload is not [ts, events(, dp_rank)]")
         ts, events = raw[0], raw[1]
@@ -289,7 +343,8 @@ class KVEventDecoder:
         if kind == "BlockStored":
             return self._stored(fields)
         if kind == "BlockRemoved":
-            return BlockRemoved(self._hashes(fields), _optional_str(fields.get("medium")))
+            return BlockRemoved(self._hashes(fields), _optional_str(fields.get("medium")),
+                                _group(fields))
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()
         raise _Malformed("type", f"unknown event type {kind[:40]!r}")
@@ -311,9 +366,13 @@ class KVEventDecoder:
                                           "len(block_hashes) x block_size")
         if not all(type(token) is int and 0 <= token <= U64 for token in token_ids):
             raise _Malformed("token_ids", "a token id is not an unsigned integer")
-        lora = fields.get("lora_name")
-        return BlockStored(hashes, parent, tuple(token_ids), block_size, _optional_str(lora),
-                           _optional_str(fields.get("medium")))
+        lora_id = fields.get("lora_id")
+        if lora_id is not None and (type(lora_id) is not int or not 0 <= lora_id <= U64):
+            raise _Malformed("lora_id", "lora_id is not an unsigned integer")
+        return BlockStored(hashes, parent, tuple(token_ids), block_size,
+                           self.adapter(fields.get("lora_name"), lora_id),
+                           _optional_str(fields.get("medium")), _group(fields),
+                           _optional_str(fields.get("kv_cache_spec_kind")))
 
     def _hashes(self, fields: dict[Any, Any]) -> tuple[int, ...]:
         raw = fields.get("block_hashes")
@@ -343,33 +402,59 @@ def _typed_hashes(raw: list[int | bytes], limits: Limits) -> tuple[int, ...] | N
     return tuple(hashes)
 
 
+def _group(fields: dict[Any, Any]) -> int:
+    """The event's KV-cache group (0 when absent); _Malformed if it is no group number."""
+    group = fields.get("group_idx")
+    if group is None:
+        return 0
+    if type(group) is not int or not 0 <= group < MAX_GROUPS:
+        raise _Malformed("group_idx", f"group_idx {str(group)[:20]}")
+    return group
+
+
 def _optional_str(value: object) -> str | None:
     return value[:256] if isinstance(value, str) else None
 
 
-def encode_event(event: Event, encoding: Encoding) -> list[Any] | dict[str, Any]:
-    """``event`` as vLLM encodes it: a positional array (``array``, vLLM <= 0.23) or a map
-    tagged with ``"type"`` (``map``)."""
+def _encode_hash(value: int, hashes: HashType) -> int | bytes:
+    """A block hash as vLLM sends it: uint64 (``value`` may be signed), or (``bytes``) 32
+    bytes."""
+    value &= U64
+    return value if hashes == "int" else value.to_bytes(32, "big")
+
+
+def encode_event(event: Event, encoding: Encoding,
+                 hashes: HashType = "int") -> list[Any] | dict[str, Any]:
+    """``event`` as vLLM encodes it: a positional array of the fields vLLM 0.23 had
+    (``array``), or a map tagged with ``"type"`` whose fields with defaults are left out when
+    they hold them, as vLLM 0.33 sends it (``map``)."""
+    kind = type(event).__name__
+    fields: dict[str, Any] = {}
     if isinstance(event, BlockStored):
-        fields: dict[str, Any] = {
-            "block_hashes": list(event.block_hashes), "parent_block_hash": event.parent_block_hash,
+        parent = event.parent_block_hash
+        fields = {
+            "block_hashes": [_encode_hash(value, hashes) for value in event.block_hashes],
+            "parent_block_hash": None if parent is None else _encode_hash(parent, hashes),
             "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
             "medium": event.medium, "lora_name": event.lora_name}
-        kind = "BlockStored"
+        if encoding == "map":
+            fields["group_idx"] = event.group_idx
+            if event.kind is not None:
+                fields["kv_cache_spec_kind"] = event.kind
     elif isinstance(event, BlockRemoved):
-        fields = {"block_hashes": list(event.block_hashes), "medium": event.medium}
-        kind = "BlockRemoved"
-    else:
-        fields, kind = {}, "AllBlocksCleared"
+        fields = {"block_hashes": [_encode_hash(value, hashes) for value in event.block_hashes],
+                  "medium": event.medium}
+        if encoding == "map":
+            fields["group_idx"] = event.group_idx
     if encoding == "array":
         return [kind, *fields.values()]
     return {"type": kind, **fields}
 
 
 def encode_payload(ts: float, events: list[Event], encoding: Encoding,
-                   dp_rank: int | None = 0) -> bytes:
+                   dp_rank: int | None = 0, hashes: HashType = "int") -> bytes:
     """The msgpack payload of one batch; ``dp_rank`` None leaves the rank out (older vLLM)."""
-    body: list[Any] = [ts, [encode_event(event, encoding) for event in events]]
+    body: list[Any] = [ts, [encode_event(event, encoding, hashes) for event in events]]
     if dp_rank is not None:
         body.append(dp_rank)
     return msgspec.msgpack.encode(body)

@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 
 from scheduling.token_blocks import PromptTokenizer
-from shared.kv_events import Encoding
 from simulator import tokenizer
 from simulator.engine import (
     Engine,
@@ -45,7 +44,7 @@ from simulator.engine import (
     UnknownAdapterError,
 )
 from simulator.http_server import HttpRequest, Response, StreamResponse, serve
-from simulator.kv_events import EventPublisher, KVEventsConfig
+from simulator.kv_events import EventPublisher, KVEventsConfig, Wire
 from simulator.metrics_page import MetricsPage
 from simulator.openai_api import (
     ApiError,
@@ -97,7 +96,7 @@ class PodSettings(msgspec.Struct, frozen=True):
     output_len_median: float = 128.0
     faults: Faults = Faults()
     kv_events: KVEventsConfig = KVEventsConfig()
-    kv_events_encoding: Encoding = "map"
+    kv_events_wire: Wire = Wire()
     tokenizer: str | None = None  # --tokenizer (None: simulator/tokenizer.py)
 
 
@@ -155,7 +154,7 @@ class SimulatedPod:
         events on their port + the pod's index, when configured)."""
         config = self.settings.kv_events
         if config.enabled:
-            self.kv_events = EventPublisher(config, self.settings.kv_events_encoding, host,
+            self.kv_events = EventPublisher(config, self.settings.kv_events_wire, host,
                                             self.settings.index)
             self.kv_events.start()
             self.engine.kv.events = []

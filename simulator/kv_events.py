@@ -5,7 +5,13 @@ Configured like vLLM, with ``--kv-events-config`` JSON (``enable_kv_cache_events
 engine step that changed the prefix cache publishes one batch ``[topic, seq, payload]`` on the
 PUB socket and keeps it in a ring of ``buffer_steps`` batches; the ROUTER socket answers a
 request ``[identity, b"", start seq (8 bytes BE)]`` with every buffered batch from that sequence
-on, ``[identity, b"", seq, payload]``, then the end marker ``[identity, b"", -1 (8 bytes), b""]``.
+on, ``[identity, b"", topic, seq, payload]``, then the end marker ``[identity, b"", b"", -1 (8
+bytes), b""]``, as vLLM 0.26 and later do (:class:`Wire` ``replay_topic``; before 0.26 replies
+had no topic frame: ``[identity, b"", seq, payload]`` and ``[identity, b"", -1, b""]``).
+
+What goes on the wire is :class:`Wire`: by default what vLLM 0.33 sends (events as maps tagged
+with ``"type"``, defaults left out, ``group_idx`` 0 and kind ``full_attention``; uint64 hashes;
+the topic frame in replay replies), each older form behind a flag of ``lig sim``.
 
 Differences from vLLM, on purpose: the simulator always binds (``*`` means the simulator's
 ``--host``, so tests stay on loopback), and it has no data-parallel ranks: pod ``i`` of one
@@ -24,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.kv_events import END_SEQ, Encoding, Event, encode_payload
+from shared.kv_events import END_SEQ, Encoding, Event, HashType, encode_payload
 
 log = logging.getLogger("lig.sim.kv_events")
 
@@ -73,13 +79,25 @@ def bind_address(endpoint: str, host: str, offset: int) -> str:
     return f"tcp://{host if address == '*' else address}:{int(port) + offset}"
 
 
+class Wire(msgspec.Struct, frozen=True):
+    """The form of the events on the wire: vLLM 0.33's by default."""
+
+    encoding: Encoding = "map"
+    """``map`` (tagged with ``"type"``, vLLM since mid-2026) or ``array`` (positional, vLLM up
+    to 0.23)."""
+    hashes: HashType = "int"
+    """``int`` (uint64, vLLM's default) or ``bytes`` (32-byte digests,
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+    replay_topic: bool = True
+    """Replay replies carry the topic frame (vLLM 0.26 and later)."""
+
+
 class EventPublisher:
     """One pod's PUB socket, replay ROUTER socket and ring of sent batches."""
 
-    def __init__(self, config: KVEventsConfig, encoding: Encoding, host: str,
-                 offset: int) -> None:
+    def __init__(self, config: KVEventsConfig, wire: Wire, host: str, offset: int) -> None:
         self.config = config
-        self.encoding = encoding
+        self.wire = wire
         self.endpoint = bind_address(config.endpoint, host, offset)
         self.replay_endpoint = None if config.replay_endpoint is None \
             else bind_address(config.replay_endpoint, host, offset)
@@ -113,13 +131,16 @@ class EventPublisher:
                 self._replay.close()
             raise OSError(f"cannot bind KV-event sockets {self.endpoint}: {exc}") from None
         self._pub = pub
-        log.info("publishing KV-cache events on %s (replay %s, %s encoding)", self.endpoint,
-                 self.replay_endpoint or "off", self.encoding)
+        wire = self.wire
+        log.info("publishing KV-cache events on %s (replay %s%s, %s events, %s hashes)",
+                 self.endpoint, self.replay_endpoint or "off",
+                 "" if wire.replay_topic else " without topic frames", wire.encoding,
+                 wire.hashes)
 
     def publish(self, events: list[Event]) -> None:
         """Send one batch (sequence ``seq + 1``) and keep it for replays."""
         self.seq += 1
-        payload = encode_payload(time.time(), events, self.encoding, 0)
+        payload = encode_payload(time.time(), events, self.wire.encoding, 0, self.wire.hashes)
         self._buffer.append((self.seq, payload))
         if self.drop_next > 0:
             self.drop_next -= 1
@@ -142,11 +163,14 @@ class EventPublisher:
 
     async def _answer(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
         """Every buffered batch from ``start`` on, then the end marker."""
+        topic = [self._topic] if self.wire.replay_topic else []
+        end = [b""] if self.wire.replay_topic else []
         # A snapshot: batches published while this replay is sent must not disturb it.
         for seq, payload in list(self._buffer):
             if seq >= start:
-                await replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-        await replay.send_multipart([identity, b"", END_SEQ, b""])
+                await replay.send_multipart(
+                    [identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+        await replay.send_multipart([identity, b"", *end, END_SEQ, b""])
 
     async def close(self) -> None:
         """Stop serving replays and close the sockets."""

@@ -13,12 +13,12 @@ import logging
 import msgspec
 
 from scheduling.prompt_tokenizers import load_prompt_tokenizer
-from shared.kv_events import ENCODINGS
+from shared.kv_events import ENCODINGS, HASH_TYPES
 from shared.logs import add_logging_arguments, setup_logging
 from shared.service import run_service
 from simulator.engine import EngineConfig
 from simulator.http_app import GRAY_MODES, Faults, PodSettings, SimulatedPod
-from simulator.kv_events import KVEventsConfig, parse_config
+from simulator.kv_events import KVEventsConfig, Wire, parse_config
 from simulator.metrics_page import FORMATS
 from simulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
@@ -85,8 +85,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-events-encoding", choices=ENCODINGS, default="map",
-        help="event encoding: map (tagged with \"type\", vLLM since mid-2026) or array "
-        "(positional, vLLM up to 0.23)",
+        help="event encoding: map (tagged with \"type\", defaults left out: vLLM since "
+        "mid-2026) or array (positional, vLLM up to 0.23)",
+    )
+    parser.add_argument(
+        "--kv-events-hashes", choices=HASH_TYPES, default="int",
+        help="block hashes: int (uint64, vLLM's default) or bytes (32-byte digests, vLLM with "
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
+    parser.add_argument(
+        "--kv-events-replay-framing", choices=("topic", "legacy"), default="topic",
+        help="replay replies with the topic frame (vLLM 0.26 and later) or without it (legacy: "
+        "before 0.26)",
     )
     parser.add_argument(
         "--tokenizer", default=None, metavar="PATH",
@@ -149,7 +159,8 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
             output_len_median=args.output_len_median,
             faults=gray_faults if index in gray else faults,
             kv_events=kv_events,
-            kv_events_encoding=args.kv_events_encoding,
+            kv_events_wire=Wire(args.kv_events_encoding, args.kv_events_hashes,
+                                args.kv_events_replay_framing == "topic"),
             tokenizer=args.tokenizer,
         )
         for index in range(args.pods)

@@ -104,7 +104,7 @@ class PrefixSharing:
                     tuple(hashes[first : first + len(run)]),
                     hashes[first - 1] if first else None,
                     token_ids(request, first * self.block_size, index * self.block_size),
-                    self.block_size, request.adapter, "GPU"))
+                    self.block_size, request.adapter, "GPU", 0, "full_attention"))
                 run = []
         request._num_offered = end
 

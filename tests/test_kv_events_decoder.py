@@ -57,7 +57,7 @@ def test_vllm_shapes_with_missing_and_extra_fields() -> None:
     assert first.dp_rank is None and first.events == [
         BlockStored((10, 11), 9, tuple(range(8)), 4), BlockRemoved((10,)), AllBlocksCleared()]
     assert second.dp_rank == 0
-    assert second.events == [BlockStored((10,), None, (1, 2), 16, "ad", "GPU")]
+    assert second.events == [BlockStored((10,), None, (1, 2), 16, "ad", "GPU", 0, "full_attention")]
 
 
 def test_hashes_as_uint64_int64_and_bytes_are_normalised() -> None:

@@ -70,9 +70,11 @@ async def change_log(nc: Client) -> AsyncIterator[ChangeLog]:
 
 class EventPods(SimulatedPods):
     """Simulated pods publishing KV-cache events: PUB on ``events_base + i``, replay on
-    ``replay_base + i``."""
+    ``replay_base + i``; ``hashes`` and ``framing`` as ``lig sim`` takes them (vLLM 0.33's
+    uint64 hashes and topic-framed replay replies by default)."""
 
-    def __init__(self, count: int, encoding: str, buffer_steps: int = 10_000) -> None:
+    def __init__(self, count: int, encoding: str, buffer_steps: int = 10_000,
+                 hashes: str = "int", framing: str = "topic") -> None:
         base = free_port_range(2 * count)
         self.events_base, self.replay_base = base, base + count
         config = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -81,7 +83,8 @@ class EventPods(SimulatedPods):
                   "buffer_steps": buffer_steps, "topic": "kv"}
         super().__init__(count, time_scale=50.0, extra_args=[
             "--kv-events-config", msgspec.json.encode(config).decode(),
-            "--kv-events-encoding", encoding])
+            "--kv-events-encoding", encoding, "--kv-events-hashes", hashes,
+            "--kv-events-replay-framing", framing])
 
     def complete(self, index: int, prompt: str = PROMPT, max_tokens: int = 20) -> None:
         response = httpx.post(self.url(index) + "/v1/completions", timeout=10.0, json={
@@ -182,11 +185,13 @@ async def register(nc: Client, pods: list[tuple[str, int]]) -> None:
                    [pod(name, port) for name, port in pods])
 
 
-@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize(("encoding", "hashes"), [("map", "int"), ("map", "bytes"),
+                                                   ("array", "int")])
 async def test_a_request_arrives_as_block_changes_of_its_pod(
-    nc: Client, nats_server: Any, encoding: str
+    nc: Client, nats_server: Any, encoding: str, hashes: str
 ) -> None:
-    with EventPods(2, encoding) as pods:
+    """vLLM 0.33's events (maps, uint64 or 32-byte hashes) and vLLM 0.23's (arrays)."""
+    with EventPods(2, encoding, hashes=hashes) as pods:
         await register(nc, [("pod-0", pods.ports[0]), ("pod-1", pods.ports[1])])
         async with change_log(nc) as changes:
             with kv_events_process(nats_server.url, pods) as (process, metrics_port, log):
@@ -201,6 +206,12 @@ async def test_a_request_arrives_as_block_changes_of_its_pod(
                 full = len(prompt_ids) // 16 * 16
                 assert ids[:full] == prompt_ids[:full]
                 assert stored[0].parent_block_hash is None and stored[0].block_size == 16
+                # A parent names the block before it, in either hash type.
+                assert all(later.parent_block_hash == earlier.block_hashes[-1]
+                           for earlier, later in zip(stored, stored[1:], strict=False))
+                # Only the map form carries the KV-cache group's kind.
+                assert {(op.group_idx, op.kind) for op in stored} == (
+                    {(0, "full_attention")} if encoding == "map" else {(0, None)})
                 first = changes.of("pod-1")[0]
                 assert first.address == pods.address(1) and first.pool == "pool-a"
                 assert changes.of("pod-0") == []
@@ -210,10 +221,12 @@ async def test_a_request_arrives_as_block_changes_of_its_pod(
                 assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("framing", ["topic", "legacy"])
 async def test_batches_missed_before_subscribing_and_mid_stream_are_replayed(
-    nc: Client, nats_server: Any
+    nc: Client, nats_server: Any, framing: str
 ) -> None:
-    with EventPods(1, "map") as pods:
+    """Replay replies with the topic frame (vLLM 0.26 and later) and without (before)."""
+    with EventPods(1, "map", framing=framing) as pods:
         await register(nc, [("pod-0", pods.ports[0])])
         # Published before anyone listens: the consumer's first replay brings it.
         await asyncio.to_thread(pods.complete, 0, "hello world " * 30)
@@ -233,6 +246,8 @@ async def test_batches_missed_before_subscribing_and_mid_stream_are_replayed(
                 assert counter(metrics_port, "lig_kv_events_batches_total",
                                '{outcome="gap"}') >= 1
                 assert counter(metrics_port, "lig_kv_events_resyncs_total") == 0
+                assert counter(metrics_port, "lig_kv_events_batches_total",
+                               '{outcome="replay_malformed"}') == 0
 
 
 async def test_a_gap_replay_cannot_cover_publishes_a_resync_marker(
@@ -411,8 +426,14 @@ async def test_a_pod_whose_replay_fails_is_resynced_once_and_followed_from_its_n
         ctx.term()
 
 
-def test_the_simulators_replay_socket_answers_vllms_protocol_and_ignores_garbage() -> None:
-    with EventPods(1, "array") as pods:
+@pytest.mark.parametrize("framing", ["topic", "legacy"])
+def test_the_simulators_replay_socket_answers_vllms_protocol_and_ignores_garbage(
+    framing: str
+) -> None:
+    """vLLM 0.26 and later: ``["", topic, seq, payload]``, ending ``["", "", END, ""]``;
+    before: ``["", seq, payload]``, ending ``["", END, ""]`` (what a DEALER receives)."""
+    topic = [b"kv"] if framing == "topic" else []
+    with EventPods(1, "array", framing=framing) as pods:
         pods.complete(0, "one two three " * 20)
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
@@ -427,13 +448,14 @@ def test_the_simulators_replay_socket_answers_vllms_protocol_and_ignores_garbage
             while True:
                 frames = dealer.recv_multipart()
                 replies.append(frames)
-                if frames[1] == b"\xff" * 8:
+                if frames[-2] == b"\xff" * 8:
                     break
                 assert len(replies) < 1000
-            assert replies[-1] == [b"", b"\xff" * 8, b""]
-            seqs = [int.from_bytes(frames[1], "big") for frames in replies[:-1]]
+            assert replies[-1] == [b"", *[b"" for _ in topic], b"\xff" * 8, b""]
+            assert all(frames[:1 + len(topic)] == [b"", *topic] and len(frames) == 3 + len(topic)
+                       and frames[-1] for frames in replies[:-1])
+            seqs = [int.from_bytes(frames[-2], "big") for frames in replies[:-1]]
             assert seqs and seqs == list(range(1, len(seqs) + 1))
-            assert all(frames[0] == b"" and frames[2] for frames in replies[:-1])
         finally:
             dealer.close()
             ctx.term()

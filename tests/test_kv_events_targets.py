@@ -28,20 +28,20 @@ def test_ports_absolute_or_relative() -> None:
 
 
 def test_every_rank_of_every_pod_on_the_ports_plus_its_rank() -> None:
-    pods = pods_from_view(view(2), PortSpec(5557), PortSpec(1, relative=True), dp_ranks=2)
+    pods = pods_from_view(view(2), PortSpec(5557), PortSpec(1, relative=True), ranks=range(2))
     assert {(p.pod, p.dp_rank, p.events, p.replay) for p in pods.values()} == {
         ("pod-0", 0, "tcp://10.0.0.0:5557", "tcp://10.0.0.0:8001"),
         ("pod-0", 1, "tcp://10.0.0.0:5558", "tcp://10.0.0.0:8002"),
         ("pod-1", 0, "tcp://10.0.0.1:5557", "tcp://10.0.0.1:8002"),
         ("pod-1", 1, "tcp://10.0.0.1:5558", "tcp://10.0.0.1:8003"),
     }
-    no_replay = pods_from_view(view(1), PortSpec(65535), None, dp_ranks=2)
+    no_replay = pods_from_view(view(1), PortSpec(65535), None, ranks=range(2))
     assert [(p.dp_rank, p.replay) for p in no_replay.values()] == [(0, None)]  # 65536: left out
 
 
 def test_shards_split_pods_and_keep_a_pods_ranks_together() -> None:
     registry = view(40)
-    shards = [pods_from_view(registry, PortSpec(5557), None, Share.static(shard, 3), dp_ranks=2)
+    shards = [pods_from_view(registry, PortSpec(5557), None, Share.static(shard, 3), ranks=range(2))
               for shard in range(3)]
     owners: dict[str, int] = {}
     for number, pods in enumerate(shards):

@@ -167,11 +167,11 @@ def test_the_bound_holds_under_churn_and_the_order_stays_small() -> None:
             live[pod] = [h for h in live[pod] if h not in gone]
         assert len(index) <= 500
         for entry in index._pods.values():
-            for rank in entry.ranks.values():
+            for rank in (cache for groups in entry.ranks.values() for cache in groups.values()):
                 assert len(rank.order) - rank.head <= 2 * len(rank.blocks) + 64 + 20
     assert index.stats.evicted > 0
     assert len(index) == sum(len(rank.blocks) for entry in index._pods.values()
-                             for rank in entry.ranks.values())
+                             for groups in entry.ranks.values() for rank in groups.values())
 
 
 def test_max_blocks_zero_keeps_nothing() -> None:

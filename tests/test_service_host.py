@@ -84,10 +84,10 @@ def test_kv_events_reads_every_flag_from_its_variable_too(
                             ("LIG_METRICS_PORT", "0")):
         monkeypatch.setenv(variable, value)
     settings = kv_events_settings(parse(kv_events_flags))
-    assert (settings.events, settings.replay, settings.dp_ranks, settings.shards,
+    assert (settings.events, settings.replay, settings.ranks, settings.shards,
             settings.shard, settings.stream.replay_timeout_s, settings.limits.max_message_bytes,
             settings.record_max_age_s, settings.record_max_bytes, settings.metrics_port) == (
-        PortSpec(1000, relative=True), None, 2, 3, 2, 0.5, 4096, 0.0, 1024, 0)
+        PortSpec(1000, relative=True), None, range(2), 3, 2, 0.5, 4096, 0.0, 1024, 0)
     assert kv_events_settings(parse(kv_events_flags, "--events-port", "-443")).events \
         == PortSpec(-443, relative=True)
 

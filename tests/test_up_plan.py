@@ -245,7 +245,7 @@ def test_kv_events_args_come_last_and_win(tmp_path: Path) -> None:
         "--state-dir", str(tmp_path),
         "--kv-events-args", "--events-port 5557 --replay-port none --dp-ranks 2"))
     settings = kv_events_of(plan)
-    assert (str(settings.events), settings.replay, settings.dp_ranks) == ("5557", None, 2)
+    assert (str(settings.events), settings.replay, settings.ranks) == ("5557", None, range(2))
 
 
 def test_event_ports_outside_the_port_range_are_refused_before_starting(

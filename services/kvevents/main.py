@@ -26,7 +26,14 @@ from services.collector.membership import HeartbeatSubjects, Membership, default
 from services.kvevents.observability import KVEventsMetrics
 from services.kvevents.pod_stream import PodEndpoints, PodStream, StreamSettings
 from services.kvevents.recording import stream_config
-from services.kvevents.targets import PortSpec, Share, parse_port, pods_from_view
+from services.kvevents.targets import (
+    PortSpec,
+    Share,
+    parse_lora_ids,
+    parse_port,
+    parse_ranks,
+    pods_from_view,
+)
 from shared import ports
 from shared.host.lifespan import Lifespan
 from shared.host.settings import add_flags, from_args, option
@@ -57,9 +64,14 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
     replay_port: Annotated[str, option(
         "each pod's replay ROUTER port, same forms; 'none': no replay (every gap then becomes "
         "a resync marker)", metavar="PORT")] = str(ports.KV_EVENTS_REPLAY)
-    dp_ranks: Annotated[int, option(
-        "data-parallel ranks per pod: rank r publishes on both ports + r (as vLLM does), each "
-        "with its own sequence", ge=1, le=MAX_DP_RANKS)] = 1
+    dp_ranks: Annotated[str, option(
+        "data-parallel ranks of each pod: N (ranks 0..N-1) or A-B (global ranks A..B, a node "
+        "of a multi-node deployment); rank r publishes on both ports + r, as vLLM does, each "
+        "with its own sequence", metavar="N|A-B")] = "1"
+    lora_ids: Annotated[str, option(
+        "adapter names for blocks that vLLM stores with a lora_id but no lora_name (older "
+        "vLLM): ID=NAME,... (vLLM numbers --lora-modules from 1 in the order given); an id "
+        "not listed files its blocks under lora-id:ID", metavar="ID=NAME,...")] = ""
     replica_id: Annotated[str, option(
         "this replica's name among the replicas sharing the pods", min_length=1,
         default_text="HOSTNAME-PID")] \
@@ -92,7 +104,8 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
         # The bounds of single fields are their annotations; this checks the rest.
         if self.shard >= self.shards:
             raise ValueError("--shard (env LIG_SHARD) must be below --shards (env LIG_SHARDS)")
-        _ = (self.events, self.replay)  # each raises ValueError naming its flag
+        # Each raises ValueError naming its flag.
+        _ = (self.events, self.replay, self.ranks, self.lora_names)
 
     @property
     def events(self) -> PortSpec:
@@ -105,6 +118,16 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
         if self.replay_port.strip().lower() == "none":
             return None
         return parse_port(self.replay_port, "--replay-port (env LIG_REPLAY_PORT)")
+
+    @property
+    def ranks(self) -> range:
+        """``--dp-ranks`` parsed."""
+        return parse_ranks(self.dp_ranks, "--dp-ranks (env LIG_DP_RANKS)", MAX_DP_RANKS)
+
+    @property
+    def lora_names(self) -> dict[int, str]:
+        """``--lora-ids`` parsed."""
+        return parse_lora_ids(self.lora_ids, "--lora-ids (env LIG_LORA_IDS)")
 
     @property
     def shares_by_heartbeat(self) -> bool:
@@ -150,7 +173,8 @@ class KVEventsService:
         self.metrics = KVEventsMetrics()
         self.view = RegistryView()
         self.decoder = KVEventDecoder(settings.limits,
-                                      lambda reason: self.metrics.skipped.labels(reason).inc())
+                                      lambda reason: self.metrics.skipped.labels(reason).inc(),
+                                      settings.lora_names)
         self.streams: dict[str, tuple[PodEndpoints, PodStream, asyncio.Task[None]]] = {}
         self.metrics.followed.set_function(
             lambda: sum(stream.following for _, stream, _ in self.streams.values()))
@@ -203,9 +227,10 @@ class KVEventsService:
         sharing = (f"replica {settings.replica_id}, sharing pods by heartbeats every "
                    f"{settings.heartbeat_s:g} s" if settings.shares_by_heartbeat
                    else f"shard {settings.shard} of {settings.shards}")
-        log.info("kv-events ready: events port %s, replay port %s, %d rank(s) per pod, %s, "
+        ranks = settings.ranks
+        log.info("kv-events ready: events port %s, replay port %s, rank(s) %s per pod, %s, "
                  "metrics on %s, nats %s", settings.events, settings.replay or "none",
-                 settings.dp_ranks, sharing,
+                 f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else ranks.start, sharing,
                  f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else "off",
                  settings.nats.url)
 
@@ -226,7 +251,7 @@ class KVEventsService:
         before = len(self.streams)
         share = self.share()
         wanted = {} if share is None else pods_from_view(
-            self.view, settings.events, settings.replay, share, settings.dp_ranks)
+            self.view, settings.events, settings.replay, share, settings.ranks)
         if share is not None:
             self.metrics.replicas.set(len(share.members))
         gone = [key for key, (pod, _, _) in self.streams.items() if wanted.get(key) != pod]

@@ -61,6 +61,24 @@ class StreamSettings(msgspec.Struct, frozen=True):
 Publish = Callable[[KVBlockChanges], Awaitable[None]]
 
 
+def replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """``(seq, payload)`` of one reply of a vLLM replay socket, as a DEALER receives it; None
+    if it is neither framing. vLLM 0.26 and later send ``["", topic, seq, payload]`` (the end
+    marker ``["", "", END_SEQ, ""]``), earlier ones ``["", seq, payload]``."""
+    if len(frames) == 4 and not frames[0] and len(frames[2]) == 8:
+        return frames[2], frames[3]
+    if len(frames) == 3 and not frames[0] and len(frames[1]) == 8:
+        return frames[1], frames[2]
+    return None
+
+
+def describe_frames(frames: list[bytes]) -> str:
+    """A short account of a multipart message for a log line: frame count, sizes, first
+    bytes."""
+    shown = ", ".join(f"{len(frame)}B {frame[:16]!r}" for frame in frames[:6])
+    return f"{len(frames)} frames [{shown}{', ...' if len(frames) > 6 else ''}]"
+
+
 class PodStream:
     """The event stream of one pod; ``counts`` says what happened to its batches."""
 
@@ -84,6 +102,9 @@ class PodStream:
         self._adopt_next = False
         """After a resync with nothing to continue from: the next batch starts the stream (no
         replay can bring what came before it)."""
+        self._told_framing = False
+        """An unreadable replay reply was logged (once per stream: a publisher that speaks
+        another framing would fill the log)."""
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.counts[outcome] += n
@@ -255,21 +276,25 @@ class PodStream:
         size = 0
         try:
             for _ in range(self.settings.max_replay_batches + 1):
-                frames = await within(dealer.recv_multipart(),
-                                                self.settings.replay_timeout_s)
-                if len(frames) != 3 or len(frames[1]) != 8:
+                frames = await within(dealer.recv_multipart(), self.settings.replay_timeout_s)
+                reply = replay_reply(frames)
+                if reply is None:
                     self._count("replay_malformed")
+                    if not self._told_framing:
+                        self._told_framing = True
+                        log.warning("%s/%s rank %d: unreadable replay reply: %s", self.pod.pool,
+                                    self.pod.pod, self.pod.dp_rank, describe_frames(frames))
                     continue
-                if frames[1] == END_SEQ:
+                seq, payload = reply
+                if seq == END_SEQ:
                     return batches
-                size += len(frames[2])
+                size += len(payload)
                 if size > self.settings.max_replay_bytes:
                     log.warning("%s/%s: replay from %d exceeds %d bytes: giving up",
                                 self.pod.pool, self.pod.pod, start,
                                 self.settings.max_replay_bytes)
                     break
-                batch = self._decoder.decode_payload(int.from_bytes(frames[1], "big"),
-                                                     frames[2])
+                batch = self._decoder.decode_payload(int.from_bytes(seq, "big"), payload)
                 if batch is not None:
                     batches.append(batch)
         except TimeoutError:

@@ -42,6 +42,32 @@ def parse_port(text: str, flag: str) -> PortSpec:
     return PortSpec(value, relative)
 
 
+def parse_ranks(text: str, flag: str, most: int) -> range:
+    """``N`` (ranks 0..N-1) or ``A-B`` (ranks A..B, both included), at most ``most`` ranks;
+    ValueError names ``flag``."""
+    first, dash, last = text.strip().partition("-")
+    try:
+        ranks = range(int(first), int(last) + 1) if dash else range(int(first))
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not N or A-B") from None
+    if not ranks or ranks.start < 0 or ranks.stop > 65536:
+        raise ValueError(f"{flag}: {text!r} names no rank in 0..65535")
+    if len(ranks) > most:
+        raise ValueError(f"{flag}: {len(ranks)} ranks, at most {most}")
+    return ranks
+
+
+def parse_lora_ids(text: str, flag: str) -> dict[int, str]:
+    """``ID=NAME,...`` as a map; ValueError names ``flag``."""
+    names: dict[int, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        number, equals, name = item.partition("=")
+        if not equals or not name.strip() or not number.strip().isdigit():
+            raise ValueError(f"{flag}: {item!r} is not ID=NAME")
+        names[int(number)] = name.strip()
+    return names
+
+
 def _tcp(address: str, port: int) -> str:
     host = f"[{address}]" if ":" in address else address
     return f"tcp://{host}:{port}"
@@ -68,17 +94,17 @@ ALONE = Share()  # one replica following every pod
 
 
 def pods_from_view(view: RegistryView, events: PortSpec, replay: PortSpec | None,
-                   share: Share = ALONE, dp_ranks: int = 1) -> dict[str, PodEndpoints]:
+                   share: Share = ALONE, ranks: range = range(1)) -> dict[str, PodEndpoints]:
     """Every data-parallel rank of every endpoint of every pool this replica owns (a pod's
-    ranks stay together), by pod key and rank; rank ``r`` uses the ports + ``r``, as vLLM
-    does. Ranks whose ports fall outside 1..65535 are left out."""
+    ranks stay together), by pod key and rank; rank ``r`` of ``ranks`` (global ranks) uses
+    the ports + ``r``, as vLLM does. Ranks whose ports fall outside 1..65535 are left out."""
     pods: dict[str, PodEndpoints] = {}
     for pool, endpoint_set in view.endpoints.items():
         for endpoint in endpoint_set.endpoints:
             key = pod_key(pool, endpoint.name)
             if not share.owns(key):
                 continue
-            for rank in range(dp_ranks):
+            for rank in ranks:
                 port = events.port_for(endpoint.port) + rank
                 replay_port = replay.port_for(endpoint.port) + rank \
                     if replay is not None else None

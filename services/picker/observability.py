@@ -202,7 +202,8 @@ class PreciseIndexCollector(Collector):
     """The precise prefix indexes (``scheduling/precise_index.py``), read when scraped (their
     hot paths touch no Prometheus object): per pool, ``lig_picker_precise_blocks`` held,
     ``..._speculative_blocks``, ``..._event_pods`` (pods publishing events), and the counters
-    ``..._messages`` applied, ``..._blocks_stored``, ``..._blocks_removed``,
+    ``..._messages`` applied, ``..._blocks_stored``, ``..._blocks_reannounced`` (a block
+    announced again as it was: vLLM's full report mode), ``..._blocks_removed``,
     ``..._blocks_evicted`` (the bound), ``..._blocks_skipped{reason}``, ``..._clears`` (ranks
     cleared) and ``..._resyncs``. ``indexes`` gives each served pool's index (set once the
     gateway exists). Served by a single-process picker (``--workers 1``)."""
@@ -223,6 +224,8 @@ class PreciseIndexCollector(Collector):
                     for name, text in (
                         ("messages", "KV block-change messages applied"),
                         ("blocks_stored", "Blocks filed from BlockStored events"),
+                        ("blocks_reannounced", "Blocks a BlockStored announced again as the "
+                                               "index held them (vLLM's full report mode)"),
                         ("blocks_removed", "Blocks removed by BlockRemoved events"),
                         ("blocks_evicted", "Blocks dropped to keep the index's bound"),
                         ("clears", "Ranks cleared (AllBlocksCleared, resync markers)"),
@@ -236,6 +239,7 @@ class PreciseIndexCollector(Collector):
                                 ("event_pods", len(index.event_pods()))):
                 gauges[name].add_metric([pool], value)
             for name, value in (("messages", stats.messages), ("blocks_stored", stats.stored),
+                                ("blocks_reannounced", stats.reannounced),
                                 ("blocks_removed", stats.removed),
                                 ("blocks_evicted", stats.evicted), ("clears", stats.cleared),
                                 ("resyncs", stats.resyncs)):
