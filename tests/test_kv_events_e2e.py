@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -208,7 +209,7 @@ async def test_a_request_arrives_as_block_changes_of_its_pod(
                 assert stored[0].parent_block_hash is None and stored[0].block_size == 16
                 # A parent names the block before it, in either hash type.
                 assert all(later.parent_block_hash == earlier.block_hashes[-1]
-                           for earlier, later in zip(stored, stored[1:], strict=False))
+                           for earlier, later in itertools.pairwise(stored))
                 # Only the map form carries the KV-cache group's kind.
                 assert {(op.group_idx, op.kind) for op in stored} == (
                     {(0, "full_attention")} if encoding == "map" else {(0, None)})
