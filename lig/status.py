@@ -5,8 +5,11 @@ endpoints).
 Pods and their addresses come from the registry's KV bucket. Each pod's latest snapshot is the
 newest one recorded in the metrics stream (so a pod whose collector died shows its growing age),
 or, when recording is disabled, the newest one seen on the metrics subjects during ``--window``.
-Picker counts are scraped from the pickers' ``/metrics``: those of the running ``lig up`` stack
-(its ``stack.json`` in the state folder) or the URLs given with ``--picker-metrics``.
+Picker counts are scraped from the pickers' ``/metrics``: the URLs given with
+``--picker-metrics``, else those of the running ``lig up`` stack (its ``stack.json`` in the state
+folder) when the NATS and prefix read are the stack's. Pickers do not announce their metrics
+endpoints on NATS, so a stack's pickers pointed at another NATS are not this fleet's: they are
+left out, and the table says so and why.
 
 Exit code: 0 when every pod is fresh, 1 when one is not (or there are none), 2 when NATS or the
 registry cannot be read.
@@ -86,6 +89,15 @@ class PickerRow(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+class PickerSource(msgspec.Struct, frozen=True):
+    """The pickers' metrics endpoints to scrape, where they come from, and why a running
+    stack's pickers are not among them (None: they are, or there is no stack)."""
+
+    urls: list[str]
+    origin: str = ""  # "--picker-metrics" or "the lig up stack in DIR"; "" when none
+    left_out: str | None = None
+
+
 class Report(msgspec.Struct, frozen=True):
     """Everything ``lig status`` shows."""
 
@@ -94,6 +106,8 @@ class Report(msgspec.Struct, frozen=True):
     pods: list[PodRow]
     pickers: list[PickerRow]
     pools: list[PoolRow] = []
+    pickers_from: str = ""  # PickerSource.origin
+    pickers_left_out: str | None = None  # PickerSource.left_out
 
     def all_fresh(self) -> bool:
         return bool(self.pods) and all(row.state == "fresh" for row in self.pods)
@@ -108,7 +122,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "picker metrics endpoints")
     parser.add_argument("--picker-metrics", action="append", metavar="URL", default=None,
                         help="a picker's Prometheus endpoint (repeatable); default: those of "
-                             "the running `lig up` stack")
+                             "the running `lig up` stack when its NATS and prefix are the ones "
+                             "read")
     parser.add_argument("--stale-after", type=float, default=1.0,
                         help="seconds after which a pod's latest snapshot counts as stale "
                              "(the pickers' --stale-after)")
@@ -126,20 +141,21 @@ def run(args: argparse.Namespace) -> int:
     stack = StackInfo.read(args.state_dir)
     if stack is not None and not _pid_alive(stack.pid):
         stack = None  # left behind by a `lig up` that was killed
-    settings, picker_urls = apply_stack_defaults(args, stack)
+    settings, pickers = apply_stack_defaults(args, stack)
     setup_logging("status", "ERROR")  # the table says what matters; no reconnect chatter
     try:
-        return asyncio.run(_run(args, settings, picker_urls))
+        return asyncio.run(_run(args, settings, pickers))
     except KeyboardInterrupt:
         return EXIT_ALL_FRESH
 
 
 def apply_stack_defaults(args: argparse.Namespace, stack: StackInfo | None
-                         ) -> tuple[NatsSettings, list[str]]:
-    """The NATS settings and the picker URLs to scrape, from the flags, else the running stack.
+                         ) -> tuple[NatsSettings, PickerSource]:
+    """The NATS settings and the pickers to scrape, from the flags, else the running stack.
 
     Without ``--nats-url`` (or ``LIG_NATS_URL``) the stack's NATS and prefix are used, else the
-    default NATS URL; without ``--picker-metrics``, the stack's pickers, else none.
+    default NATS URL. Without ``--picker-metrics``, the stack's pickers when the NATS URL and
+    prefix are the stack's (they belong to the fleet read), else none, saying why.
     """
     settings = settings_from_args(args)
     explicit = nats_url_given(args) or bool(os.environ.get("LIG_NATS_URL"))
@@ -148,11 +164,19 @@ def apply_stack_defaults(args: argparse.Namespace, stack: StackInfo | None
             settings, url=stack.nats_url,
             prefix=stack.prefix if settings.prefix == Subjects().prefix else settings.prefix)
     if args.picker_metrics is not None:
-        return settings, args.picker_metrics
-    return settings, stack.picker_metrics if stack is not None else []
+        return settings, PickerSource(args.picker_metrics, "--picker-metrics")
+    if stack is None:
+        return settings, PickerSource([])
+    where = f"the lig up stack in {args.state_dir}"
+    if (settings.url, settings.prefix) == (stack.nats_url, stack.prefix):
+        return settings, PickerSource(stack.picker_metrics, where)
+    return settings, PickerSource([], left_out=(
+        f"The pickers of {where} are not listed: they use NATS {stack.nats_url} "
+        f"(prefix {stack.prefix}), not the one read here; give this fleet's with "
+        "--picker-metrics URL."))
 
 
-async def _run(args: argparse.Namespace, settings: NatsSettings, picker_urls: list[str]) -> int:
+async def _run(args: argparse.Namespace, settings: NatsSettings, pickers: PickerSource) -> int:
     try:
         nc = await within(connect(settings, "lig-status"), args.timeout)
     except (TimeoutError, OSError) as exc:
@@ -162,7 +186,7 @@ async def _run(args: argparse.Namespace, settings: NatsSettings, picker_urls: li
     try:
         while True:
             try:
-                report = await collect(nc, settings, picker_urls, args.stale_after, args.window,
+                report = await collect(nc, settings, pickers, args.stale_after, args.window,
                                        args.timeout)
             except TimeoutError as exc:
                 print(f"lig status: {exc}", file=sys.stderr)
@@ -181,7 +205,7 @@ async def _run(args: argparse.Namespace, settings: NatsSettings, picker_urls: li
             await within(nc.close(), 1.0)
 
 
-async def collect(nc: Client, settings: NatsSettings, picker_urls: list[str],
+async def collect(nc: Client, settings: NatsSettings, pickers: PickerSource,
                   stale_after: float, window: float, registry_wait: float) -> Report:
     """Read the registry, each pod's latest snapshot and the pickers' counts."""
     subjects = Subjects(settings.prefix)
@@ -193,8 +217,9 @@ async def collect(nc: Client, settings: NatsSettings, picker_urls: list[str],
     rows = [pod_row(pool, endpoint.name, endpoint.hostport, latest.get((pool, endpoint.name)),
                     now_ns, stale_after) for pool, endpoint in members]
     async with httpx.AsyncClient(timeout=2.0) as client:
-        pickers = await asyncio.gather(*(scrape_picker(client, url) for url in picker_urls))
-    return Report(settings.url, stale_after, rows, list(pickers), pool_rows(view, rows))
+        counts = await asyncio.gather(*(scrape_picker(client, url) for url in pickers.urls))
+    return Report(settings.url, stale_after, rows, list(counts), pool_rows(view, rows),
+                  pickers_from=pickers.origin, pickers_left_out=pickers.left_out)
 
 
 def pool_rows(view: RegistryView, pods: list[PodRow]) -> list[PoolRow]:
@@ -328,10 +353,14 @@ def render(report: Report) -> str:
         )
     else:
         lines.append("no pods in the registry")
+    if report.pickers_left_out is not None:
+        lines += ["", report.pickers_left_out]
     if report.pickers:
         outcomes = sorted({o for p in report.pickers for o in p.requests},
                           key=lambda o: (o != "routed", o))
         lines.append("")
+        if report.pickers_from:
+            lines.append(f"Pickers from {report.pickers_from}:")
         lines += _table(
             ["PICKER", "REQUESTS", *[o.upper() for o in outcomes]],
             ([p.url, "-" if p.error else str(sum(p.requests.values())),

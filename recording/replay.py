@@ -1,11 +1,13 @@
 """``lig replay FILE``: publish a recording onto a NATS as if the fleet were live.
 
-The registry state is written into the bucket at once; snapshots and registry changes follow
-with their recorded spacing divided by ``--speed``, every snapshot's scrape time shifted by
-(now - window start) so a picker or ``lig status`` sees fresh pods. Decisions are not
-published: a live picker would count them as a peer's load. The file is streamed (bounded
-memory); SIGTERM stops at once. ``--what-if`` compares policies on the recorded decisions
-offline instead (:mod:`recording.whatif_cli`).
+The registry state is written into the bucket at once; the first snapshot or registry change
+follows at once too (the window's empty start, when it began before the fleet was recorded, is
+skipped and said so), the others with their recorded spacing divided by ``--speed``. Every
+snapshot's scrape time is moved onto the replay's clock the same way (:class:`Timeline`), so a
+picker or ``lig status`` sees fresh pods. Decisions are not published: a live picker would count
+them as a peer's load. Progress goes to stderr every ``--progress`` seconds. The file is
+streamed (bounded memory); SIGTERM stops at once. ``--what-if`` compares policies on the
+recorded decisions offline instead (:mod:`recording.whatif_cli`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import threading
 import time
 from typing import BinaryIO
 
@@ -28,6 +31,7 @@ from nats.js.kv import KeyValue
 from recording import whatif_cli
 from recording.connection import connect_within
 from recording.fileformat import Entry, FileHeader, Kind, RecordingError, read_entries, read_header
+from recording.replay_progress import Survey, lead_in_line, progress_line, survey
 from shared.logs import setup_logging
 from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.schemas import DecodeError, PodMetrics, decode, encode
@@ -39,6 +43,11 @@ log = logging.getLogger("lig.replay")
 
 BUCKET_HISTORY = 5  # as the registry creates it
 FLUSH_EVERY = 512  # snapshots published between flushes when replaying faster than recorded
+PROGRESS_EVERY_S = 5.0  # often enough to see it move, rare enough to read
+# A window that starts this much before its first record says so: a live fleet's first snapshot
+# follows the window start within a scrape interval, a recording made with a longer --since
+# than the fleet had run does not.
+LEAD_IN_NOTICE_S = 1.0
 
 
 class ReplayCounts(msgspec.Struct):
@@ -49,12 +58,43 @@ class ReplayCounts(msgspec.Struct):
     undecodable: int = 0  # snapshots published unshifted: not a PodMetrics this lig reads
     skipped: int = 0  # decisions (never published)
 
+    def published(self) -> int:
+        """Records published so far: registry writes and snapshots."""
+        return self.registry + self.snapshots
+
+
+class Timeline(msgspec.Struct, frozen=True):
+    """Recorded time onto the replay's: the first record published at its time (``first_ns``,
+    its store time) is due when the replay starts, the others keep their recorded spacing
+    divided by ``speed``. Scrape times are mapped the same way, so a snapshot is as old, at the
+    moment it is published, as it was when it was recorded (divided by ``speed``)."""
+
+    first_ns: int
+    start_mono: float  # the event loop's clock at the start
+    start_wall_ns: int  # the wall clock at the start
+    speed: float
+
+    def due(self, time_ns: int) -> float:
+        """The loop time at which the record stored at ``time_ns`` is published."""
+        return self.start_mono + (time_ns - self.first_ns) / 1e9 / self.speed
+
+    def wall_ns(self, time_ns: int) -> int:
+        """The replay's wall clock time for the recorded wall clock time ``time_ns``."""
+        return self.start_wall_ns + round((time_ns - self.first_ns) / self.speed)
+
+    def position_s(self, mono: float) -> float:
+        """Recorded seconds since the first record that the replay has reached at ``mono``."""
+        return max(0.0, (mono - self.start_mono) * self.speed)
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``lig replay``'s flags; ``--prefix`` (in the NATS group) is where to publish."""
     parser.add_argument("file", help="a recording written by 'lig record'")
     parser.add_argument("--speed", type=float, default=1.0,
                         help="replay X times faster than recorded (0.5: half as fast)")
+    parser.add_argument("--progress", type=float, default=PROGRESS_EVERY_S, metavar="SECONDS",
+                        help="print the records published and the position in the recording "
+                             "to stderr every SECONDS (0: never; default: %(default)g)")
     add_nats_arguments(parser)
     parser.add_argument("--log-level", default="WARNING", help="logging level")
     whatif_cli.add_arguments(parser)
@@ -68,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("lig.nats").setLevel(logging.ERROR)
     if not args.speed > 0:
         print("lig replay: --speed must be > 0", file=sys.stderr)
+        return 2
+    if not args.progress >= 0:
+        print("lig replay: --progress must be >= 0 (0: no progress lines)", file=sys.stderr)
         return 2
     if not args.what_if and (flag := whatif_cli.misused(args)):
         print(f"lig replay: {flag} needs --what-if", file=sys.stderr)
@@ -87,11 +130,12 @@ def run(args: argparse.Namespace) -> int:
             return whatif_cli.run(args, source, header)
         settings = settings_from_args(args)
         return run_service(lambda stop: _replay_and_report(settings, header, source, args.speed,
-                                                           args.file, stop))
+                                                           args.progress, args.file, stop))
 
 
 async def _replay_and_report(settings: NatsSettings, header: FileHeader, source: BinaryIO,
-                             speed: float, name: str, stop: asyncio.Event) -> int:
+                             speed: float, progress_s: float, name: str,
+                             stop: asyncio.Event) -> int:
     connecting = asyncio.ensure_future(connect_within(settings, "lig-replay"))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -106,8 +150,13 @@ async def _replay_and_report(settings: NatsSettings, header: FileHeader, source:
         print(f"lig replay: {exc}", file=sys.stderr)
         return 1
     counts = ReplayCounts()
+    replay = Replay(nc, Subjects(settings.prefix), header, speed, counts)
+    done = asyncio.Event()
+    cancelled = threading.Event()  # ends the survey's thread with the replay
+    counting = asyncio.ensure_future(asyncio.to_thread(survey, name, cancelled))
+    reporting = asyncio.ensure_future(_report_progress(replay, counting, progress_s, done))
     try:
-        await Replay(nc, Subjects(settings.prefix), header, speed, counts).run(source, stop)
+        await replay.run(source, stop)
     except RecordingError as exc:
         print(f"lig replay: {name}: {exc}", file=sys.stderr)
         return 2
@@ -115,6 +164,9 @@ async def _replay_and_report(settings: NatsSettings, header: FileHeader, source:
         print(f"lig replay: NATS failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
+        done.set()
+        cancelled.set()
+        await asyncio.gather(reporting, counting)
         with contextlib.suppress(NatsError, TimeoutError):
             await within(nc.drain(), 2.0)
     state = "stopped" if stop.is_set() else "done"
@@ -124,14 +176,30 @@ async def _replay_and_report(settings: NatsSettings, header: FileHeader, source:
     return 0
 
 
-def shifted(data: bytes, shift_ns: int) -> bytes | None:
-    """A snapshot with its scrape time moved by ``shift_ns``; None if it is not a PodMetrics."""
+async def _report_progress(replay: Replay, counting: asyncio.Future[Survey | None],
+                           every_s: float, done: asyncio.Event) -> None:
+    """A progress line on stderr every ``every_s`` seconds (0: none) until ``done``; the total
+    once ``counting`` has counted the file."""
+    if not every_s:
+        return
+    loop = asyncio.get_running_loop()
+    while not await wait_set(done, every_s):
+        timeline = replay.timeline
+        position_s = 0.0 if timeline is None else timeline.position_s(loop.time())
+        found = counting.result() if counting.done() else None
+        print(progress_line(replay.counts.published(), position_s, found), file=sys.stderr,
+              flush=True)
+
+
+def retimed(data: bytes, timeline: Timeline) -> bytes | None:
+    """A snapshot with its scrape time on the replay's clock; None if it is not a
+    PodMetrics."""
     try:
         snapshot = decode(data, PodMetrics)
     except DecodeError:
         return None
-    return encode(msgspec.structs.replace(snapshot,
-                                          scrape_time_ns=snapshot.scrape_time_ns + shift_ns))
+    return encode(msgspec.structs.replace(
+        snapshot, scrape_time_ns=timeline.wall_ns(snapshot.scrape_time_ns)))
 
 
 class Replay:
@@ -144,6 +212,7 @@ class Replay:
         self.header = header
         self.speed = speed
         self.counts = counts
+        self.timeline: Timeline | None = None  # set at the first record published at its time
         self._kv: KeyValue | None = None
 
     async def _bucket(self) -> KeyValue:
@@ -166,11 +235,17 @@ class Replay:
             await kv.put(entry.name, entry.data)
         self.counts.registry += 1
 
+    def _start(self, first_ns: int) -> Timeline:
+        """The timeline starting now at the record stored at ``first_ns``, saying so when the
+        window began noticeably earlier."""
+        notice = lead_in_line(self.header.from_ns, first_ns, LEAD_IN_NOTICE_S)
+        if notice is not None:
+            print(notice, file=sys.stderr, flush=True)
+        return Timeline(first_ns, asyncio.get_running_loop().time(), time.time_ns(), self.speed)
+
     async def run(self, source: BinaryIO, stop: asyncio.Event) -> None:
-        """Publish every entry at its (shifted, scaled) time until the file ends or ``stop``."""
+        """Publish every entry at its (mapped, scaled) time until the file ends or ``stop``."""
         loop = asyncio.get_running_loop()
-        start_mono = loop.time()
-        shift_ns = time.time_ns() - self.header.from_ns
         since_flush = 0
         for kind, entry in read_entries(source):
             if stop.is_set():
@@ -181,8 +256,9 @@ class Replay:
             if kind == Kind.DECISION:
                 self.counts.skipped += 1
                 continue
-            due = start_mono + (entry.time_ns - self.header.from_ns) / 1e9 / self.speed
-            delay = due - loop.time()
+            if self.timeline is None:
+                self.timeline = self._start(entry.time_ns)
+            delay = self.timeline.due(entry.time_ns) - loop.time()
             if delay > 0:
                 await self.nc.flush()
                 since_flush = 0
@@ -191,7 +267,7 @@ class Replay:
             if kind == Kind.REGISTRY_CHANGE:
                 await self._write_registry(entry)
             elif kind == Kind.SNAPSHOT:
-                data = shifted(entry.data or b"", shift_ns)
+                data = retimed(entry.data or b"", self.timeline)
                 if data is None:
                     self.counts.undecodable += 1
                 await self.nc.publish(f"{self.subjects.prefix}.{entry.name}",

@@ -61,3 +61,16 @@ def format_time(time_ns: int) -> str:
     """``2026-12-01T14:03:00.123Z``: unix nanoseconds as UTC ISO 8601, to the millisecond."""
     moment = datetime.datetime.fromtimestamp(time_ns / 1e9, tz=datetime.UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def format_duration(seconds: float) -> str:
+    """``0.4s``, ``42s``, ``9m12s``, ``1h02m05s``: a span for a human, to the second from 10 s
+    up (the inverse of :func:`parse_duration` for whole seconds)."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from lig.status import (
     PickerRow,
+    PickerSource,
     Report,
     apply_stack_defaults,
     configure,
@@ -203,19 +204,51 @@ def status_args(*argv: str) -> argparse.Namespace:
 def test_flags_win_over_the_running_stack_which_wins_over_defaults() -> None:
     stack = StackInfo("nats://127.0.0.1:5555", "other", POOL, "http://127.0.0.1:1",
                       ["http://127.0.0.1:9/metrics"], pid=os.getpid())
-    settings, urls = apply_stack_defaults(status_args(), stack)
-    assert urls == ["http://127.0.0.1:9/metrics"]
+    settings, pickers = apply_stack_defaults(status_args(), stack)
+    assert pickers == PickerSource(["http://127.0.0.1:9/metrics"], "the lig up stack in .lig")
     assert (settings.url, settings.prefix) == ("nats://127.0.0.1:5555", "other")
 
-    settings, urls = apply_stack_defaults(
+    settings, pickers = apply_stack_defaults(
         status_args("--nats-url", "nats://elsewhere:4222", "--picker-metrics", "http://x/m"),
         stack)
-    assert urls == ["http://x/m"]
+    assert pickers == PickerSource(["http://x/m"], "--picker-metrics")
     assert (settings.url, settings.prefix) == ("nats://elsewhere:4222", "lig")
 
-    settings, urls = apply_stack_defaults(status_args(), None)
-    assert urls == []
+    settings, pickers = apply_stack_defaults(status_args(), None)
+    assert pickers == PickerSource([])
     assert settings.url == "nats://127.0.0.1:4222"
+
+
+def test_a_stacks_pickers_are_listed_only_for_its_own_nats_and_prefix() -> None:
+    stack = StackInfo("nats://127.0.0.1:5555", "other", POOL, "http://127.0.0.1:1",
+                      ["http://127.0.0.1:9/metrics"], pid=os.getpid())
+    _, pickers = apply_stack_defaults(
+        status_args("--nats-url", "nats://127.0.0.1:5555", "--prefix", "other"), stack)
+    assert pickers.urls == ["http://127.0.0.1:9/metrics"]
+
+    for elsewhere in (["--nats-url", "nats://127.0.0.1:14222"],  # a replay's NATS
+                      ["--nats-url", "nats://127.0.0.1:5555", "--prefix", "lig-replay"]):
+        _, pickers = apply_stack_defaults(status_args(*elsewhere), stack)
+        assert pickers.urls == [] and pickers.origin == ""
+        assert pickers.left_out == (
+            "The pickers of the lig up stack in .lig are not listed: they use NATS "
+            "nats://127.0.0.1:5555 (prefix other), not the one read here; give this fleet's "
+            "with --picker-metrics URL.")
+
+
+def test_render_says_where_the_pickers_come_from_or_why_none_are_listed() -> None:
+    pods = [pod_row(POOL, "vllm-0", "127.0.0.1:8000", snapshot("vllm-0", 0.05), NOW, 1.0)]
+    listed = render(Report("nats://127.0.0.1:4222", 1.0, pods,
+                           [PickerRow("http://127.0.0.1:9090/metrics", {"routed": 2})],
+                           pickers_from="the lig up stack in .lig"))
+    lines = listed.splitlines()
+    origin = lines.index("Pickers from the lig up stack in .lig:")
+    assert lines[origin + 1].split() == ["PICKER", "REQUESTS", "ROUTED"]
+
+    left_out = render(Report("nats://127.0.0.1:14222", 1.0, pods, [],
+                             pickers_left_out="The pickers of ... are not listed: ..."))
+    assert left_out.splitlines()[-1] == "The pickers of ... are not listed: ..."
+    assert "PICKER" not in left_out
 
 
 def test_unreachable_nats_exits_2() -> None:
