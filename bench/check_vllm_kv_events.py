@@ -245,7 +245,7 @@ def write_fixtures(vllm: types.ModuleType, out: Path) -> None:
         dealer.close(linger=0)
         ctx.term()
         publisher.shutdown()
-        wheel = Path(vllm.__file__.split("!")[0]).name
+        wheel = Path(str(vllm.__file__).split("!")[0]).name
         fixture = {
             "source": f"vLLM's {vllm_kv_events.SOURCE} ({wheel}), by "
                       "bench/check_vllm_kv_events.py --write-fixtures",
