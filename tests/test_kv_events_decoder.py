@@ -195,3 +195,18 @@ def test_fast_path_agrees_with_the_tolerant_path(ts: float, events: list[Any],
     tolerant = decoder._decode_tolerant(3, payload)
     if fast is not None:
         assert tolerant == fast
+
+
+def test_a_map_encoded_batch_and_bad_groups() -> None:
+    """A batch sent as a map (a publisher without ``array_like``) decodes like the array; a
+    ``group_idx`` that is no group number skips its event, counted."""
+    event = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 2}
+    decoder = KVEventDecoder()
+    batch = decoder.decode_payload(0, pack({"ts": 1.0, "events": [event],
+                                            "data_parallel_rank": 3}))
+    assert batch is not None and batch.events == [BlockRemoved((7,), "GPU", 2)]
+    assert batch.dp_rank == 3
+    for bad in (-1, 1 << 20, "1", 1.5):
+        batch = decoder.decode_payload(1, pack([1.0, [{**event, "group_idx": bad}, event]]))
+        assert batch is not None and batch.events == [BlockRemoved((7,), "GPU", 2)]
+    assert decoder.skipped["group_idx"] == 4
