@@ -205,8 +205,10 @@ def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: RunningStack) -
     try:
         wait_until(lambda: all("vllm-0" in pods for pods in exclusions_by_picker(gray_stack)),
                    within=60, what="every picker leaving the gray pod out")
-        noticed_after = len(results)
+        # Read before counting answers: those answered while the pages are read (a second on
+        # a loaded machine) were routed before it.
         before = routed_by_pod(gray_stack)
+        noticed_after = len(results)
         wait_until(lambda: len(results) >= noticed_after + judged, within=120,
                    what=f"{judged} more requests answered")
         after = routed_by_pod(gray_stack)
@@ -220,7 +222,7 @@ def test_a_gray_pod_loses_its_traffic_within_seconds(gray_stack: RunningStack) -
           f"{routed['vllm-0']} ({routed['vllm-0'] / max(total, 1):.2%}); before: {dict(before)}; "
           f"slowest request {max(elapsed for _, elapsed, _ in results):.2f}s; "
           f"errors {Counter(code for _, _, code in results if code)}")
-    # Those answered were routed in the window, but for the few in flight at its ends.
+    # Those answered were routed in the window, but for the few in flight at its start.
     assert total >= judged - clients, routed
     # Left out for a cool-off (5 s, doubling after a failed probe), then one probe at a time:
     # a handful of requests per picker however long the window takes.
