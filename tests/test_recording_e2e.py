@@ -35,6 +35,7 @@ REQUESTS = 24
 # The window exported: the replay must outlast the picker's readiness, its requests and a `lig
 # status` (the picker is started and connected beforehand, so that is a few seconds).
 RECORD_S = 10
+STALE_AFTER_S = 3.0
 
 
 def lig(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -89,7 +90,12 @@ async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
         info = stack.info
         started = time.monotonic()
         # Waiting on the fresh NATS meanwhile, which nothing else will ever write to.
-        picker = picker_process(info.pool, nats_server.url, stale_after=1.0)
+        # Stale after 3 s, for the picker and `lig status` alike: a replayed snapshot's age is
+        # its recorded lag plus how late a loaded machine publishes and reads it. (Unshifted,
+        # the recorded scrape times would be over 10 s old: stale all the same.) The replay runs
+        # at --speed 1: scrape times are shifted by one constant, so a slower replay would age
+        # its snapshots by half the time elapsed.
+        picker = picker_process(info.pool, nats_server.url, stale_after=STALE_AFTER_S)
         async with httpx.AsyncClient(timeout=30) as client:
             for i in range(REQUESTS):
                 response = await client.post(f"{stack.gateway}/v1/completions", json={
@@ -117,7 +123,7 @@ async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
         assert replay.poll() is None, "the replay ended before the picker was asked"
         status = await asyncio.to_thread(
             lig, "status", "--nats-url", nats_server.url, "--prefix", info.prefix,
-            "--state-dir", str(tmp_path / "no-stack"))
+            "--stale-after", str(STALE_AFTER_S), "--state-dir", str(tmp_path / "no-stack"))
     finally:
         replay.send_signal(signal.SIGTERM)
         output, _ = replay.communicate(timeout=10)
