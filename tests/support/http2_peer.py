@@ -6,6 +6,7 @@ fuzz suite and its attack benchmark."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 import hpack
@@ -269,17 +270,20 @@ class RawClient:
 
 
 async def trickle(clients: Sequence[RawClient], size: int, rounds: int = 200,
-                  after_round: Callable[[], None] = lambda: None) -> list[int]:
+                  after_round: Callable[[], None] = lambda: None,
+                  seconds: float | None = None) -> list[int]:
     """Each client opens stream 1 with a message announcing ``size`` bytes and sends all of it
     but the last byte, 1 MiB at a time, as fast as the server's windows allow, never the end:
     until no client has sent more for 5 rounds, the server ended their calls, or ``rounds``
     ran out (a count, not a time: a loaded machine slows the rounds, and an attacker stopped
-    by the clock rather than by the server would prove nothing); ``after_round`` is called
-    after each round. Returns the bytes each client sent."""
+    by the clock rather than by the server would prove nothing; ``seconds`` caps a benchmark's
+    run, tests leave it out); ``after_round`` is called after each round. Returns the bytes
+    each client sent."""
     total = 5 + size - 1
     sent = [0] * len(clients)
     for client in clients:
         client.open(1)
+    deadline = None if seconds is None else time.monotonic() + seconds
     still = 0  # rounds in a row without progress (a window update may be in flight)
     for _ in range(rounds):
         progress = 0
@@ -300,6 +304,6 @@ async def trickle(clients: Sequence[RawClient], size: int, rounds: int = 200,
         await asyncio.sleep(0.01)
         after_round()
         still = 0 if progress else still + 1
-        if still == 5:
+        if still == 5 or (deadline is not None and time.monotonic() > deadline):
             break
     return sent
