@@ -89,8 +89,10 @@ async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
         info = stack.info
         started = time.monotonic()
         # Waiting on the fresh NATS meanwhile, which nothing else will ever write to.
-        # Snapshots are replayed at the stack's pace (lig_up's test timing): judged fresh as
-        # the stack's own pickers judged them.
+        # Stale after 3 s, for the picker and `lig status` alike (lig_up's test timing): a
+        # replayed snapshot's age is its recorded lag plus how late a loaded machine publishes
+        # and reads it. (Unshifted, the recorded scrape times would be over 10 s old: stale all
+        # the same.)
         picker = picker_process(info.pool, nats_server.url, stale_after=STALE_AFTER_S)
         async with httpx.AsyncClient(timeout=30) as client:
             for i in range(REQUESTS):
