@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import httpx
@@ -37,7 +36,7 @@ async def test_snapshots_of_healthy_and_failing_pods(nats_server, page_servers) 
     v0 = page_servers.start(V0)
     broken = page_servers.start(b"<html><body>502 Bad Gateway</body></html>\n")
     erroring = page_servers.start(V1, status=500)
-    slow = page_servers.start(V1, delay_s=1.0)
+    slow = page_servers.start(V1, delay_s=3.0)
     custom = page_servers.start(V0, path="/stats")  # the pool's own metrics port and path
     closed_port = free_port()
     pods = [pod("v1", v1.port), pod("v0", v0.port), pod("broken", broken.port),
@@ -57,7 +56,7 @@ async def test_snapshots_of_healthy_and_failing_pods(nats_server, page_servers) 
             started_ns = time.time_ns()
             names = ["v1", "v0", "broken", "erroring", "slow", "closed", "custom"]
             await eventually(lambda: all(log.latest(name) for name in names)
-                             and len(log.of("v1")) >= 3, within=10, what="a snapshot of each")
+                             and len(log.of("v1")) >= 3, within=20, what="a snapshot of each")
 
             v1_snap = log.latest("v1")
             assert v1_snap is not None and v1_snap.ok and v1_snap.error is None
@@ -90,7 +89,7 @@ async def test_snapshots_of_healthy_and_failing_pods(nats_server, page_servers) 
                 assert snap is not None and not snap.ok, snap
                 assert error in (snap.error or ""), snap.error
                 assert (snap.waiting, snap.running, snap.kv_cache_usage) == (0, 0, 0.0)
-            # Cut at the timeout (0.15 s), not waiting for the answer the pod sends after 1 s.
+            # Cut at the timeout (1 s), not waiting for the answer the pod sends after 3 s.
             assert log.latest("slow").scrape_duration_s < slow.delay_s  # type: ignore[union-attr]
 
             # The stream recorded them.
@@ -120,11 +119,14 @@ async def test_snapshots_of_healthy_and_failing_pods(nats_server, page_servers) 
             await put_pool(kv, InferencePool(name="main", target_port=8000), pods[1:])
             await eventually(lambda: "v1" not in {
                 t.pod for t in collector.scrape_supervisor.targets.values()}, what="v1 dropped")
-            removed_at = time.monotonic() + 0.1  # a request already in flight may still land
+            # Counted, not timed: a scrape already in flight may still reach v1 (a loaded
+            # machine may delay it by any time), but no more than that one.
+            removed_at = time.monotonic()
+            v1_before = len(v1.requests)
             # Three more scrapes of another pod: as many rounds as v1 would have had.
-            await eventually(lambda: len(v0.requests_since(removed_at)) >= 3,
+            await eventually(lambda: len(v0.requests_since(removed_at)) >= 3, within=20,
                              what="three more rounds of scrapes")
-            assert v1.requests_since(removed_at) == []
+            assert len(v1.requests) <= v1_before + 1, v1.requests[v1_before:]
     finally:
         await nc.close()
 
@@ -136,20 +138,26 @@ async def test_failing_pod_is_backed_off_and_its_return_noticed(nats_server, pag
         kv = await registry_bucket(nc)
         await put_pool(kv, InferencePool(name="main", target_port=8000), [pod("flaky", flaky.port)])
         async with snapshot_log(nc) as log, running_collector(
-            # A 90 ms timeout: the page server runs in this process, which a loaded machine
-            # slows, and the recovery below needs a scrape that succeeds.
-            settings(nats_server.url, interval_s=0.1, scrape_timeout_s=0.09, max_backoff_s=0.8)
+            # interval 1.1 s, timeout 1 s (which a loaded machine meets: the recovery below
+            # needs a scrape that succeeds), backoff cap 4.4 s
+            settings(nats_server.url)
         ):
-            await eventually(lambda: len(log.of("flaky")) >= 4, within=10)
+            await eventually(lambda: len(log.of("flaky")) >= 3, within=20)
             failing = log.of("flaky")
             assert not any(snapshot.ok for snapshot in failing)
-            gaps = [(b.scrape_time_ns - a.scrape_time_ns) / 1e9
-                    for a, b in itertools.pairwise(failing)]
-            # 2x, 4x the interval, give or take the lateness of a timer on a busy machine
-            assert gaps[0] >= 0.2 - 0.03 and gaps[1] >= 0.4 - 0.03, gaps
+            # Scrapes are due on a grid: the k-th at the first's due time plus 2x, 2x + 4x the
+            # interval. Measured from the first scrape, a late timer only makes a gap longer; a
+            # gap between two later scrapes would shrink by the lateness of the earlier one. The
+            # 0.03 s is the few statements between the first's due time and its start.
+            since_first = [(later.scrape_time_ns - failing[0].scrape_time_ns) / 1e9
+                           for later in failing[1:3]]
+            assert since_first[0] >= 2.2 - 0.03 and since_first[1] >= 2.2 + 4.4 - 0.03, \
+                since_first
             flaky.status = 200
-            await eventually(lambda: log.latest("flaky").ok, within=3,  # type: ignore[union-attr]
-                             what="recovery within the backoff cap")
+            # The next scrape is due within the cap (4.4 s); the bound is not what is tested
+            # (the cap is, in test_collector_units.py).
+            await eventually(lambda: log.latest("flaky").ok, within=20,  # type: ignore[union-attr]
+                             what="recovery after the backoff")
     finally:
         await nc.close()
 

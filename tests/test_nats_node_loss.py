@@ -35,7 +35,8 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CONCURRENCY = 4
 MAX_REQUESTS = 3000  # the load loop is bounded in count as well as in time
 LOAD_BEFORE_KILL_S = 2.0
-LOAD_AFTER_KILL_S = 5.0
+LOAD_AFTER_KILL_S = 5.0  # at least; then until MIN_REQUESTS_AFTER_KILL were answered
+MIN_REQUESTS_AFTER_KILL = 20
 FRESH_WITHIN_S = 2.0
 # A stream whose leader was on the lost node answers again once the survivors elect a new one:
 # nats-server's Raft notices the lost leader and elects in a few seconds, more on a loaded
@@ -167,7 +168,9 @@ async def test_losing_the_busiest_nats_node_under_load(
     env = {**os.environ, "LIG_NATS_REPLICAS": "3"}
     subjects = Subjects()
     kv_stream = KV_STREAM_TEMPLATE.format(bucket=subjects.registry_bucket)
-    with lig_up(tmp_path / "state", "--nats-url", nats_cluster.url, env=env) as stack:
+    # The product's scrape timing: the freshness within 2 s after the loss is the subject.
+    with lig_up(tmp_path / "state", "--nats-url", nats_cluster.url, env=env,
+                timing=None) as stack:
         # Both streams exist with three current replicas before anything is killed.
         watcher = await nats.connect(nats_cluster.url.split(","))
         try:
@@ -185,7 +188,7 @@ async def test_losing_the_busiest_nats_node_under_load(
         bus = FreshnessOnBus()
         await nc.subscribe(subjects.all_metrics(), cb=bus.on_message)
         try:
-            await eventually(lambda: len(bus.newest_ns) >= 4, within=5, what="every pod heard")
+            await eventually(lambda: len(bus.newest_ns) >= 4, within=15, what="every pod heard")
             pods = set(bus.newest_ns)
             recorded_before = (await nc.jetstream().stream_info(
                 subjects.metrics_stream)).state.last_seq
@@ -208,14 +211,19 @@ async def test_losing_the_busiest_nats_node_under_load(
                                    within=killed_at + READABLE_WITHIN_S - time.time(),
                                    what="registry readable from the surviving nodes")
             await asyncio.sleep(max(0.0, killed_at + LOAD_AFTER_KILL_S - time.time()))
+            # Counted, not timed: how many requests a loaded machine answers in those seconds
+            # varies, so the load runs on until 20 sent after the kill were answered.
+            await eventually(lambda: sum(1 for t in load.sent_after if t > killed_at + 0.5)
+                             >= MIN_REQUESTS_AFTER_KILL or loading.done(), within=60,
+                             what=f"{MIN_REQUESTS_AFTER_KILL} requests answered after the kill")
             load.stop()
             await asyncio.wait_for(loading, 15)
 
             # No request lost: every one answered 200, including those sent after the kill.
             assert load.errors == [], load.errors[:5]
             assert set(load.statuses) == {200}, dict(load.statuses)
-            assert sum(1 for t in load.sent_after if t > killed_at + 0.5) >= 20, \
-                "load kept running after the kill"
+            assert sum(1 for t in load.sent_after if t > killed_at + 0.5) \
+                >= MIN_REQUESTS_AFTER_KILL, "load kept running after the kill"
 
             # What an operator sees: lig status reads the registry and every pod is fresh.
             status = await lig_status(stack)

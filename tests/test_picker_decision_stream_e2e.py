@@ -133,7 +133,7 @@ async def test_a_peers_routed_requests_are_in_the_load_estimate_within_20ms(
             wait_until, lambda: (total(first, "in_flight_peers"),
                                  total(second, "in_flight_peers"))
             == (total(second, "in_flight_own"), total(first, "in_flight_own")),
-            2, "each picker counts the other's requests")
+            10, "each picker counts the other's requests")
         assert load(first, "in_flight_peers") == load(second, "in_flight_own")
     finally:
         done.set()
@@ -162,9 +162,13 @@ async def test_a_killed_pickers_counts_leave_its_peer(stack: Stack) -> None:
     doomed, survivor = stack.pickers
     async with grpc.aio.insecure_channel(f"127.0.0.1:{doomed.grpc_port}") as channel:
         stub = external_processor_pb2_grpc.ExternalProcessorStub(channel)
-        calls = [await open_request(stub) for _ in range(4)]
+        calls = [await open_request(stub) for _ in range(3)]
+        # The survivor last hears from the doomed picker no earlier than this request's
+        # routed event: its counts cannot expire before the allowance from here.
+        last_routed = time.monotonic()
+        calls.append(await open_request(stub))
         await asyncio.to_thread(wait_until, lambda: total(survivor, "in_flight_peers") == 4,
-                                2, "the survivor counts the doomed picker's requests")
+                                10, "the survivor counts the doomed picker's requests")
         doomed.signal(signal.SIGKILL)
         killed = time.monotonic()
         await asyncio.to_thread(doomed.wait, 5)
@@ -173,10 +177,13 @@ async def test_a_killed_pickers_counts_leave_its_peer(stack: Stack) -> None:
         allowance = max(MIN_SILENCE, SILENCE_HEARTBEATS * HEARTBEAT)
         await asyncio.to_thread(wait_until, lambda: total(survivor, "in_flight_peers") == 0,
                                 allowance + 2, "the killed picker's counts expired")
-        gone = time.monotonic() - killed
+        expired = time.monotonic()
+        gone = expired - killed
         for call in calls:
             call.cancel()
-    elapsed = time.monotonic() - killed
     print(f"a killed picker's counts left its peer after {gone:.2f} s")
-    assert elapsed >= allowance - 0.5  # expiry, not some other path, removed them
+    # Expiry, not some other path, removed them. Measured from the kill ("allowance - 0.5",
+    # one heartbeat) this was no bound the product keeps: a loaded machine delays the doomed
+    # picker's heartbeats, and its last one may come long before the kill.
+    assert expired - last_routed >= allowance
     assert 'lig_picker_decision_requests_expired_total 4.0' in survivor.metrics()

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -418,37 +419,69 @@ async def test_a_picker_that_does_not_answer_in_time_gets_503(
         await server.stop(0)
 
 
-def test_nats_outage_is_served_from_last_state_and_new_metrics_count_within_2s(
+def _snapshots_received(picker: PickerProcess) -> float:
+    """The picker's ``lig_picker_snapshots_received_total``."""
+    for line in picker.metrics().splitlines():
+        if line.startswith("lig_picker_snapshots_received_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _logged_at(picker: PickerProcess, message: str) -> float:
+    """When (Unix time, from the picker's own log stamp) the picker last logged ``message``."""
+    line = [line for line in picker.log().splitlines() if message in line][-1]
+    stamp = datetime.strptime(line.split()[0], "%Y-%m-%dT%H:%M:%S.%fZ")
+    return stamp.replace(tzinfo=UTC).timestamp()
+
+
+def test_nats_outage_is_served_from_last_state_and_new_metrics_count_once_reconnected(
         tmp_path: Path) -> None:
+    """Counted, not timed: through Envoy, with metric scrapes, a loaded machine took over the
+    2 s the test allowed from the restart to ten requests on the new pod. The 2 s that is the
+    product's (docs/nats.md: reconnect attempts every 0.5 s) is the picker's own reconnect,
+    read from its log; the new metrics count from the first snapshots after it."""
     stack = build_stack(tmp_path, pods=2)
+    picker = stack.pickers[0]
     try:
         stack.only_qualifies(0)
         stack.settle(lambda: stack.served_by()[0] == "pod-0", "pod-0 chosen")
         stack.nats.stop()
         assert len(stack.served_by(10)) == 10  # still routing while NATS is away
+        received = _snapshots_received(picker)  # nothing arrives while NATS is away
+        stack.only_qualifies(1)  # before the restart: every snapshot after it says pod-1
         stack.nats.start()
-        stack.only_qualifies(1)
-        published = time.monotonic()
+        restarted = time.time()  # the server accepts connections (a little earlier)
+        # A snapshot is counted before it is applied: 2 rounds (one per pod each) are applied
+        # once one more has arrived.
+        rounds = 2 * len(stack.upstreams) + 1
+        stack.settle(lambda: _snapshots_received(picker) >= received + rounds,
+                     "snapshots after the restart")
         # Ten in a row: the uniform all-stale fallback cannot fake that (2**-10).
-        stack.settle(lambda: stack.all_fresh() and set(stack.served_by(10)) == {"pod-1"},
-                     "pod-1 chosen", within=2.0)
-        honoured = time.monotonic() - published
+        assert stack.all_fresh()
         assert set(stack.served_by(10)) == {"pod-1"}
+        reconnect = _logged_at(picker, "nats reconnected (lig-picker)") - restarted
+        print(f"picker reconnected {reconnect:.2f}s after the restart")
+        assert reconnect < 2.0
         # The registry watch was rebuilt after the reconnect: a new model takes effect.
         stack.feed.set_pool(reject_unknown_models=True)
         stack.settle(lambda: stack.post({"model": "unknown"}).status_code == 404,
-                     "registry change after restart", within=5)
-        assert honoured < 2.0
+                     "registry change after restart")
     finally:
         stack.close()
 
 
+# Long enough that a loaded machine sees the readiness fail and sends its late request within
+# the drain (the default 1.1 s left the readiness poll 1.0 s and the late request 0.1 s more).
+DRAIN_DELAY = 3.0
+
+
 @pytest.mark.parametrize("server", SERVERS)
-async def test_sigterm_drains_then_stops_the_picker_within_2_5s(
+async def test_sigterm_drains_then_stops_the_picker_within_2s_of_the_drain(
         nats_server: NatsServer, picker_process: Callable[..., PickerProcess],
         server: str) -> None:
     feed = FleetFeed(nats_server.url, POOL).start()
-    picker = picker_process(POOL, nats_server.url, extra_args=("--server", server))
+    picker = picker_process(POOL, nats_server.url, extra_args=(
+        "--server", server, "--drain-delay", str(DRAIN_DELAY)))
     try:
         feed.set_pool()
         feed.set_endpoints({"pod-0": "127.0.0.1:9"})
@@ -461,8 +494,9 @@ async def test_sigterm_drains_then_stops_the_picker_within_2_5s(
             assert (await call.read()).HasField("request_headers")  # a request in flight
             started = time.monotonic()
             picker.signal(signal.SIGTERM)
-            # Draining: health checks fail, but a request Envoy sends meanwhile is served.
-            deadline = time.monotonic() + 1.0  # within the drain delay (1.1 s)
+            # Draining: health checks fail at once, but a request Envoy sends meanwhile (on
+            # the connection it holds) is served.
+            deadline = started + DRAIN_DELAY
             while await grpc_serving(f"127.0.0.1:{picker.health_port}", "readiness", 0.5):
                 assert time.monotonic() < deadline, "readiness still serving while draining"
                 await asyncio.sleep(0.02)
@@ -470,10 +504,12 @@ async def test_sigterm_drains_then_stops_the_picker_within_2_5s(
             await late.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(
                 end_of_stream=True)))
             assert (await late.read()).HasField("request_headers")
-            code = await asyncio.to_thread(picker.wait, 5)
+            code = await asyncio.to_thread(picker.wait, DRAIN_DELAY + 5)
             elapsed = time.monotonic() - started
         assert code == 0
-        assert elapsed < 2.5, f"took {elapsed:.2f}s"
+        # services/picker/app.py serve(): it stops "within ~2 s plus the drain delay"; the
+        # request in flight keeps it serving for the whole drain.
+        assert DRAIN_DELAY <= elapsed < DRAIN_DELAY + 2.0, f"took {elapsed:.2f}s"
         assert "picker stopping" in picker.log()
     finally:
         feed.stop()
@@ -534,6 +570,11 @@ def test_workers_share_the_ports_and_stop_together(
         picker = picker_process(POOL, nats_server.url,
                                 extra_args=("--workers", "2", "--drain-delay", "0.2"))
         picker.wait_ready()
+        # wait_ready() hears one worker; the other may have its ext_proc port open (it binds
+        # that first) before it has the registry: a connection the kernel gives it then is not
+        # routed. Wait until both say they are ready.
+        wait_until(lambda: picker.log().count("picker ready") == 2, within=15,
+                   what="both workers ready")
         children = Path(f"/proc/{picker.pid}/task/{picker.pid}/children").read_text().split()
         assert len(children) >= 2  # the workers (and multiprocessing's resource tracker)
         for _ in range(8):  # separate connections: the kernel spreads them over the workers

@@ -182,8 +182,10 @@ def test_fallbacks_in_policy_order_and_the_served_pod_is_accounted(tmp_path: Pat
         assert _metric(stack, "lig_picker_served_elsewhere_total") == 10
 
         # While a slow response body is on its way, it counts against pod-1 (reported as
-        # served with the response headers), not against the primary the picker chose.
-        stack.pod(1).body_delay = 2.0
+        # served with the response headers), not against the primary the picker chose. The
+        # body is held until the test has looked (a 2 s delay left a loaded machine less than
+        # the 1.8 s it allowed itself to see the request in flight).
+        stack.pod(1).hold_bodies = True
         metrics = stack.pickers[0].metrics
         with httpx.Client(base_url=stack.client.base_url, timeout=10) as client:
             done = threading.Event()
@@ -192,9 +194,11 @@ def test_fallbacks_in_policy_order_and_the_served_pod_is_accounted(tmp_path: Pat
             thread.start()
             try:
                 stack.settle(lambda: 'lig_picker_in_flight_requests{pod="pod-1"} 1.0'
-                             in metrics(), "in flight on pod-1", within=1.8)
+                             in metrics(), "in flight on pod-1")
                 assert 'lig_picker_in_flight_requests{pod="pod-dead"} 0.0' in metrics()
+                assert not done.is_set()
             finally:
+                stack.pod(1).release_bodies()
                 thread.join(10)
             assert done.is_set()
     finally:

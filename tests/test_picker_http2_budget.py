@@ -38,7 +38,7 @@ async def test_large_partial_messages_on_many_connections_stay_within_the_budget
         for _ in range(6):
             attackers.append(await RawClient.connect(port))
         peaks: list[int] = []
-        offsets = await trickle(attackers, MAX_MESSAGE, seconds=30.0,
+        offsets = await trickle(attackers, MAX_MESSAGE,
                                 after_round=lambda: peaks.append(held(server)))
         peak = max(peaks)
         assert peak <= limit, f"{peak} bytes held, over the {limit} budget"
@@ -68,9 +68,13 @@ async def test_large_partial_messages_on_many_connections_stay_within_the_budget
             assert honest.answers(stream_id) == grpc_message(b"echo:small%d" % stream_id)
         assert honest.status(7) == "0" and len(honest.answers(7)) == len(medium) + 5
         assert not honest.eof
-        for attacker in attackers:
-            await attacker.pump(0.02)
-        # Attackers' calls (not the honest ones) were ended with RESOURCE_EXHAUSTED.
+        # Attackers' calls (not the honest ones) were ended with RESOURCE_EXHAUSTED. (Read
+        # until one is seen: how soon a loaded machine delivers it is not what is tested.)
+        for _ in range(200):  # bounded by a count: reading all of them, 10 ms quiet each
+            for attacker in attackers:
+                await attacker.pump(0.01)
+            if "8" in [attacker.status(1) for attacker in attackers]:
+                break
         assert "8" in [attacker.status(1) for attacker in attackers]
         assert held(server) <= server.reserved_bytes <= limit
         honest.close()
@@ -102,7 +106,7 @@ async def _connections_past_the_cap() -> None:
             clients.append(await RawClient.connect(port))
         assert not errors
         refused = await RawClient.connect(port)
-        await refused.pump(2.0)
+        await refused.pump_until(lambda: False)  # until it is closed (or 10 s of nothing)
         assert refused.eof
         goaways = [payload for kind, _, _, payload in refused.frames if kind == GOAWAY]
         assert [int.from_bytes(payload[4:8], "big") for payload in goaways] == [ENHANCE_YOUR_CALM]
@@ -110,7 +114,7 @@ async def _connections_past_the_cap() -> None:
         refused.close()
         # A closed connection makes room: a new one is served.
         clients.pop().close()
-        for _ in range(100):
+        for _ in range(500):  # a loaded machine may take a while to see it closed
             if server.connections < 3:
                 break
             await asyncio.sleep(0.02)
@@ -118,7 +122,7 @@ async def _connections_past_the_cap() -> None:
         clients.append(client)
         client.open(1)
         client.send(1, grpc_message(b"hi"), end=True)
-        await client.pump(0.2)
+        await client.pump_until(lambda: client.status(1) is not None)
         assert client.status(1) == "0" and errors == ["ENHANCE_YOUR_CALM"]
     finally:
         for client in clients:
@@ -162,7 +166,7 @@ async def test_the_server_process_grows_by_at_most_the_budget() -> None:
             attackers.append(await RawClient.connect(port))
         before = _rss(process.pid)
         peaks: list[int] = []
-        await trickle(attackers, MAX_MESSAGE, seconds=30.0,
+        await trickle(attackers, MAX_MESSAGE,
                       after_round=lambda: peaks.append(_rss(process.pid)))
         growth = max(peaks) - before
         assert growth <= 28 * MIB, f"RSS grew by {growth / MIB:.0f} MiB"
@@ -190,7 +194,7 @@ async def test_a_window_left_idle_is_taken_back_by_closing_its_connection() -> N
         idle.open(1)
         idle.send(1, b"\x00" + MAX_MESSAGE.to_bytes(4, "big") + b"i" * 100)
         await idle.writer.drain()
-        await idle.pump(0.1)
+        await idle.pump_until(lambda: idle.window > 4 * MIB)
         assert idle.window > 4 * MIB  # granted for the announced message
         idle.writer.write(frame(RST_STREAM, 0, 1, (0).to_bytes(4, "big")))
         await idle.writer.drain()
@@ -205,7 +209,7 @@ async def test_a_window_left_idle_is_taken_back_by_closing_its_connection() -> N
             if honest.status(1) is not None:
                 break
         assert honest.status(1) == "0" and len(honest.answers(1)) == len(message) + 5
-        await idle.pump(0.5)
+        await idle.pump_until(lambda: False)  # until it is closed (or 10 s of nothing)
         assert idle.eof and [int.from_bytes(payload[4:8], "big") for kind, _, _, payload
                              in idle.frames if kind == GOAWAY] == [ENHANCE_YOUR_CALM]
         assert errors == ["ENHANCE_YOUR_CALM"]

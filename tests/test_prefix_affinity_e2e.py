@@ -15,7 +15,13 @@ from tests.test_picker_e2e import BUSY, IDLE, Stack, build_stack
 
 pytestmark = pytest.mark.process  # real NATS, Envoy, picker and upstream processes
 
-GROUPS = 6
+# Random draws judged on a sample. A new prefix goes to an idle pod, at random at worst (4
+# pods; the picker's unreported count usually steers it off the pod it just used). "Prefixes
+# spread over pods": all GROUPS first picks on one pod has P = 4 ** (1 - GROUPS), 1e-3 with the
+# 6 groups used before, 6.0e-8 with 13. The control's "at least half the groups scattered" (a
+# group of 4 questions lands on one pod with P = 1/64) fails with P = 8.7e-7 on 6 groups,
+# 4.3e-12 on 13.
+GROUPS = 13
 QUESTIONS = 4
 SYSTEM = "You are the support assistant of fleet {group}; answer briefly and cite the manual. "
 

@@ -38,6 +38,7 @@ from tests.support.registry_yaml import dump, model, pool
 BUCKET = Subjects().registry_bucket
 LIG = str(Path(sys.executable).with_name("lig"))
 DEADLINE = 10.0  # generous: the machine is shared; the 1 s promise is asserted separately
+STOP_S = 5.0  # the registry stops within a few seconds of SIGTERM (the product's promise)
 
 
 async def bucket(nc: Client) -> dict[str, bytes]:
@@ -397,7 +398,7 @@ async def test_process_reloads_on_sighup_serves_metrics_and_stops_on_sigterm(
         assert 'lig_registry_kv_writes_total{op="delete"} 1.0' in page
         assert "lig_registry_last_successful_reload_timestamp_seconds" in page
     finally:
-        code, _ = stop_within(process, 2.0)
+        code, _ = stop_within(process, STOP_S)
     assert code == 0
     assert "registry stopped" in await asyncio.to_thread(log.read_text)
 
@@ -409,7 +410,7 @@ def test_process_stops_on_sigterm_while_nats_is_unreachable(inputs: Path, tmp_pa
     while "loaded 1 pools" not in log.read_text():
         assert time.monotonic() < deadline and process.poll() is None, log.read_text()
         time.sleep(0.05)
-    code, _ = stop_within(process, 2.0)
+    code, _ = stop_within(process, STOP_S)
     assert code == 0
 
 
@@ -459,7 +460,7 @@ async def test_process_survives_deep_yaml_and_an_emptied_folder_keeping_the_stat
         assert 'lig_registry_reloads_total{outcome="invalid"} 1.0' in page
         assert "lig_registry_input_valid 0.0" in page
     finally:
-        code, _ = stop_within(process, 2.0)
+        code, _ = stop_within(process, STOP_S)
     assert code == 0
 
 
@@ -521,7 +522,7 @@ async def test_lig_up_registry_with_free_ports_publishes_the_pods_and_edits_to_t
         endpoints = decode((await bucket(nc))[f"endpoints.{pool_name}"], EndpointSet)
         assert [e.port for e in endpoints.endpoints] == plan.ports.sim_ports(2)
     finally:
-        code, _ = stop_within(process, 2.0)
+        code, _ = stop_within(process, STOP_S)
     assert code == 0, log.read_text()
 
 
@@ -584,14 +585,17 @@ async def test_a_stop_during_a_long_load_is_prompt(inputs: Path) -> None:
     good = reconciler.desired
     await write(inputs, dump(pool()) + "---\n" * 300_000)  # about 10 s of parsing here
     checking = asyncio.create_task(reconciler.check_inputs())
-    started, loop_cpu = time.monotonic(), time.thread_time()
+    loop_cpu = time.thread_time()
     await asyncio.sleep(SETTLE + 1.0)
     # The loop is free while the inputs are parsed: its thread spent next to no CPU meanwhile
     # (CPU time, which a loaded machine does not stretch as it does a wall-clock bound).
     assert time.thread_time() - loop_cpu < 0.3
     assert not checking.done()
+    cancelled = time.monotonic()
     checking.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await checking  # returns once the parsing thread has given up
-    assert time.monotonic() - started < SETTLE + 3.0
+    # Measured from the cancellation (a stop's bound), not across the sleep above, which a
+    # loaded machine stretches; the parse it cuts short has about 9 s left.
+    assert time.monotonic() - cancelled < STOP_S
     assert reconciler.desired is good

@@ -74,9 +74,14 @@ async def snapshot_log(nc: Client) -> AsyncIterator[SnapshotLog]:
 
 
 def settings(nats_url: str, **overrides: object) -> CollectorSettings:
-    """Collector settings for tests: relaxed cadence, no metrics port unless asked."""
+    """Collector settings for tests: relaxed cadence, no metrics port unless asked.
+
+    The scrape timeout is 1 s (so the interval 1.1 s): the page servers run in the test's own
+    process, and a loaded machine slows them; a test that checks a healthy pod's snapshot must
+    not see a timeout instead.
+    """
     relaxed = CollectorSettings(nats=NatsSettings(url=nats_url), collector_id="test-collector",
-                                interval_s=0.2, scrape_timeout_s=0.15, max_backoff_s=0.8,
+                                interval_s=1.1, scrape_timeout_s=1.0, max_backoff_s=4.4,
                                 heartbeat_s=0.2, metrics_port=0)
     return msgspec.structs.replace(relaxed, **overrides)
 

@@ -20,14 +20,40 @@ class Route:
     status: int | None
 
 
-async def route(port: int, body: bytes, path: bytes = b"/v1/completions",
-                rpc_timeout_s: float = 5.0) -> Route:
-    """Send request headers then a buffered ``body`` on one ext_proc stream to
-    ``127.0.0.1:port``; the picker's routing answer."""
+def _headers(path: bytes) -> pb.ProcessingRequest:
     headers = pb.ProcessingRequest()
     for key, value in ((":method", b"POST"), (":path", path)):
         headers.request_headers.headers.headers.add(key=key, raw_value=value)
     headers.protocol_config.request_body_mode = BUFFERED
+    return headers
+
+
+def _answer(answer: pb.ProcessingResponse) -> Route:
+    if answer.HasField("immediate_response"):
+        return Route(None, answer.immediate_response.status.code)
+    mutation = answer.request_body.response.header_mutation
+    found = {o.header.key: o.header.raw_value for o in mutation.set_headers}
+    destination: bytes | None = found.get(DESTINATION)
+    return Route(destination.decode() if destination is not None else None, None)
+
+
+def route_sync(port: int, body: bytes, path: bytes = b"/v1/completions",
+               rpc_timeout_s: float = 5.0) -> Route:
+    """:func:`route` for synchronous tests: asks one picker (behind Envoy, a test cannot
+    choose which replica answers). The stream ends with the answer, so the request does not
+    stay in the picker's in-flight counts."""
+    body_message = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        answers = list(external_processor_pb2_grpc.ExternalProcessorStub(channel).Process(
+            iter([_headers(path), body_message]), timeout=rpc_timeout_s))
+    return _answer(next((a for a in answers if a.HasField("immediate_response")), answers[-1]))
+
+
+async def route(port: int, body: bytes, path: bytes = b"/v1/completions",
+                rpc_timeout_s: float = 5.0) -> Route:
+    """Send request headers then a buffered ``body`` on one ext_proc stream to
+    ``127.0.0.1:port``; the picker's routing answer."""
+    headers = _headers(path)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process(
             timeout=rpc_timeout_s)
@@ -40,9 +66,4 @@ async def route(port: int, body: bytes, path: bytes = b"/v1/completions",
             request_body=pb.HttpBody(body=body, end_of_stream=True)))
         answer = await call.read()
         await call.done_writing()
-    if answer.HasField("immediate_response"):
-        return Route(None, answer.immediate_response.status.code)
-    mutation = answer.request_body.response.header_mutation
-    found = {o.header.key: o.header.raw_value for o in mutation.set_headers}
-    destination: bytes | None = found.get(DESTINATION)
-    return Route(destination.decode() if destination is not None else None, None)
+    return _answer(answer)

@@ -225,6 +225,14 @@ class RawClient:
                         self.stream_windows[stream_id] += increment
             del self._unparsed[:usable]
 
+    async def pump_until(self, done: Callable[[], bool], rounds: int = 200) -> None:
+        """Read until ``done()`` (or the end), at most ``rounds`` quiet spells of 50 ms: bounded
+        by a count, generous, since a loaded machine may answer after any short quiet."""
+        for _ in range(rounds):
+            if done() or self.eof:
+                return
+            await self.pump(0.05)
+
     def open(self, stream_id: int) -> None:
         block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", PATH),
                                      (":authority", "picker"), ("te", "trailers"),
@@ -261,18 +269,21 @@ class RawClient:
         self.writer.close()
 
 
-async def trickle(clients: Sequence[RawClient], size: int, seconds: float, rounds: int = 200,
-                  after_round: Callable[[], None] = lambda: None) -> list[int]:
+async def trickle(clients: Sequence[RawClient], size: int, rounds: int = 200,
+                  after_round: Callable[[], None] = lambda: None,
+                  seconds: float | None = None) -> list[int]:
     """Each client opens stream 1 with a message announcing ``size`` bytes and sends all of it
     but the last byte, 1 MiB at a time, as fast as the server's windows allow, never the end:
     until no client has sent more for 5 rounds, the server ended their calls, or ``rounds``
-    or ``seconds`` ran out; ``after_round`` is called after each round. Returns the bytes each
-    client sent."""
+    ran out (a count, not a time: a loaded machine slows the rounds, and an attacker stopped
+    by the clock rather than by the server would prove nothing; ``seconds`` caps a benchmark's
+    run, tests leave it out); ``after_round`` is called after each round. Returns the bytes
+    each client sent."""
     total = 5 + size - 1
     sent = [0] * len(clients)
     for client in clients:
         client.open(1)
-    deadline = time.monotonic() + seconds
+    deadline = None if seconds is None else time.monotonic() + seconds
     still = 0  # rounds in a row without progress (a window update may be in flight)
     for _ in range(rounds):
         progress = 0
@@ -293,6 +304,6 @@ async def trickle(clients: Sequence[RawClient], size: int, seconds: float, round
         await asyncio.sleep(0.01)
         after_round()
         still = 0 if progress else still + 1
-        if still == 5 or time.monotonic() > deadline:
+        if still == 5 or (deadline is not None and time.monotonic() > deadline):
             break
     return sent

@@ -101,6 +101,9 @@ class KubeApiServer:
         self._connections: dict[asyncio.StreamWriter, asyncio.Task[Any]] = {}
         self._server: asyncio.Server | None = None
         self.requests: list[str] = []
+        # When each watch event was handed to the kernel (time.time(), the clock NATS stamps
+        # stored messages with): where a delay promised by the registry starts.
+        self.sent: list[float] = []
 
     @property
     def url(self) -> str:
@@ -317,6 +320,7 @@ class KubeApiServer:
                     break
                 if not watch.muted:
                     await _send_chunk(conn, writer, line)
+                    self.sent.append(time.time())
             await _end_stream(conn, writer)
         finally:
             self._watches.discard(watch)

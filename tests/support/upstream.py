@@ -102,7 +102,9 @@ class UpstreamServer:
 
     ``name`` is sent back in ``x-upstream``; ``received`` keeps the last requests (bounded) and
     ``count`` how many requests arrived. ``delay`` (seconds, settable) holds every answer back,
-    like a model server generating.
+    like a model server generating. While ``hold_bodies`` is set, answers send their head at
+    once and their body only at :meth:`release_bodies` (a response that takes its time, for as
+    long as the test needs).
     """
 
     def __init__(self, name: str, port: int, host: str = "127.0.0.1", keep: int = 100) -> None:
@@ -111,7 +113,8 @@ class UpstreamServer:
         self.port = port
         self.count = 0
         self.delay = 0.0
-        self.body_delay = 0.0
+        self.hold_bodies = False
+        self._held: list[tuple[asyncio.Transport, bytes]] = []
         self.received: list[Received] = []
         self._keep = keep
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,14 +137,25 @@ class UpstreamServer:
             self.received.append(request)
             del self.received[: -self._keep]
         answer = self._answer(request)
-        if self.body_delay:  # the head now, the body later: a response that takes its time
+        if self.hold_bodies:  # the head now, the body when released
             cut = answer.index(b"\r\n\r\n") + 4
             transport.write(answer[:cut])
-            asyncio.get_running_loop().call_later(self.body_delay, transport.write, answer[cut:])
+            self._held.append((transport, answer[cut:]))
         elif self.delay:
             asyncio.get_running_loop().call_later(self.delay, transport.write, answer)
         else:
             transport.write(answer)
+
+    def release_bodies(self) -> None:
+        """Stop holding bodies back; send those held so far."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._release)
+
+    def _release(self) -> None:
+        self.hold_bodies = False
+        held, self._held = self._held, []
+        for transport, body in held:
+            transport.write(body)
 
     def _answer(self, request: Received) -> bytes:
         if request.method == "GET":
