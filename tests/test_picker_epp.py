@@ -86,7 +86,8 @@ def _gateway(config: dict[str, Any], stack: Stack, subset: list[str] | None,
 
 
 def _start(workdir: Path, *, subset_pods: list[int] | None = None, dead: bool = False,
-           fallbacks: int = 0, body_mode: str = "BUFFERED", gateway: bool = True) -> Stack:
+           fallbacks: int = 0, body_mode: str = "BUFFERED", gateway: bool = True,
+           picker_args: tuple[str, ...] = ()) -> Stack:
     stack = Stack(workdir)
     dead_address = f"127.0.0.1:{free_port()}" if dead else None
     stack.dead = dead_address  # type: ignore[attr-defined]
@@ -101,7 +102,7 @@ def _start(workdir: Path, *, subset_pods: list[int] | None = None, dead: bool = 
 
     try:
         stack.start(3, 1, 0.5, adjust, "builtin",
-                    ("--fallbacks", str(fallbacks)) if fallbacks else ())
+                    (("--fallbacks", str(fallbacks)) if fallbacks else ()) + picker_args)
     except BaseException:
         stack.close()
         raise

@@ -12,7 +12,7 @@ from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from services.picker import epp
-from services.picker.ext_proc import DUPLEX, DUPLEX_CHUNK, MAX_DUPLEX_BODY, Exchange, Processor
+from services.picker.ext_proc import DUPLEX, DUPLEX_CHUNK, MAX_HELD_BODY, Exchange, Processor
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.routing import Routed, Router
@@ -218,7 +218,7 @@ def test_duplex_body_beyond_the_limit_is_answered_413_without_holding_it() -> No
     exchange.handle(headers_message(DUPLEX))
     chunk = b" " * (1 << 20)
     replies: tuple[pb.ProcessingResponse, ...] = ()
-    for _ in range(MAX_DUPLEX_BODY // len(chunk) + 1):
+    for _ in range(MAX_HELD_BODY // len(chunk) + 1):
         replies = exchange.handle(body_message(chunk, False))
         if replies:
             break

@@ -249,7 +249,8 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
         pool: router.precise for pool, router in gateway.routers.items()
         if router.precise.max_blocks}
     processor = Processor(gateway, metrics, settings.destination_header,
-                          record_responses=settings.record_responses)
+                          record_responses=settings.record_responses,
+                          conformance=settings.conformance_test_headers)
     tls = settings.tls
     host = settings.host
     shutdown = _Shutdown()
@@ -317,6 +318,10 @@ def _log_started(settings: PickerSettings, grpc_port: int, health_port: int,
              "rejected (404)" if settings.reject_unknown_models else
              f"pool {settings.default_pool}" if settings.default_pool else
              "the only pool served, else rejected (404)")
+    if settings.conformance_test_headers:
+        log.warning("--conformance-test-headers is on: clients choose their pod with the "
+                    "test-epp-endpoint-selection header (any pod of the pool). For the Gateway "
+                    "API Inference Extension's conformance suite only; never in production")
 
 
 async def _until_stopped_or_lost(stop: asyncio.Event,

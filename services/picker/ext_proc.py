@@ -18,11 +18,22 @@ messages. (A stream that starts with request headers carrying ``x-gateway-model-
 earlier bootstraps sent, and an Envoy that sends response headers on the routing stream itself
 get the same treatment.)
 
+Envoy 1.34 and later say how they send bodies (``protocol_config`` on the first message). A
+client that does not (older Envoy, other ext_proc clients) is taken to wait for each answer, as
+Envoy does by default: the headers are answered at once, a body that arrives whole in one message
+(end of stream set: BUFFERED) is answered at once, and a body whose first chunk does not end the
+stream is held, whole, up to :data:`MAX_HELD_BODY`, and answered at its end (or at the trailers)
+with one answer per chunk, the destination on the first (STREAMED). A stream is decided once: a
+body message after the body's end (Envoy issue #46237) is not routed again, and after an
+ImmediateResponse nothing more of that request is answered.
+
 Behind a Gateway API gateway the same stream speaks the endpoint picker protocol
 (:mod:`services.picker.epp`): the subset hint limits the pick, the destination names fallbacks,
 the served endpoint reported with the response moves the request's accounting, and in
 FULL_DUPLEX_STREAMED mode the held headers answer is followed by the body sent back in
-streamed chunks (then the trailers), and every response chunk comes back the same way.
+streamed chunks (then the trailers), and every response chunk comes back the same way. With
+``--conformance-test-headers`` it also honours the conformance suite's test headers
+(:mod:`services.picker.conformance`).
 
 :class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
 :class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`services.picker.http2`), and
@@ -46,7 +57,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 
-from services.picker import epp
+from services.picker import conformance, epp
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway, ResponseSeen
 from services.picker.responses import ResponseRewriter
@@ -60,9 +71,10 @@ NONE, STREAMED, BUFFERED = Mode.NONE, Mode.STREAMED, Mode.BUFFERED
 DUPLEX = Mode.FULL_DUPLEX_STREAMED
 # Body bytes per streamed body answer in FULL_DUPLEX_STREAMED mode (the reference EPP's size).
 DUPLEX_CHUNK = 62_000
-# In FULL_DUPLEX_STREAMED mode Envoy does not buffer the request body, so its 32 MiB limit (413
-# request_too_large in the shipped bootstrap) does not apply: the picker holds at most as much.
-MAX_DUPLEX_BODY = 32 * 1024 * 1024
+# A body Envoy streams (FULL_DUPLEX_STREAMED, STREAMED, or chunks from a gateway that did not say)
+# is not buffered by Envoy, so its 32 MiB limit (413 request_too_large in the shipped bootstrap)
+# does not apply: the picker holds at most as much.
+MAX_HELD_BODY = 32 * 1024 * 1024
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EVENT_STREAM = b"text/event-stream"
 REWRITE_HEADER = "x-gateway-model-rewrite"
@@ -86,19 +98,23 @@ class Processor:
 
     ``record_responses``: ask Envoy for every routed request's response headers and body, so
     that the outcome records carry status, time to first byte and usage
-    (``--record-responses``); the gateway must be recording.
+    (``--record-responses``); the gateway must be recording. ``conformance``: honour the
+    conformance suite's test headers (``--conformance-test-headers``,
+    :mod:`services.picker.conformance`).
     """
 
     def __init__(self, gateway: Gateway, metrics: PickerMetrics, destination_header: str,
                  clock: Callable[[], float] = time.perf_counter,
-                 record_responses: bool = False) -> None:
+                 record_responses: bool = False, conformance: bool = False) -> None:
         self.gateway = gateway
         self.recording = gateway.on_record is not None
         self.record_responses = record_responses and self.recording
+        self.conformance = conformance
         self.metrics = metrics
         self.header = destination_header.lower()
         self._clock = clock
         self._errors = RateLimitedLog(log)
+        self._repeated_ends = RateLimitedLog(log)
         self.headers_continue = pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
                 clear_route_cache=True,
@@ -135,13 +151,15 @@ class Processor:
 
     def route(self, body: bytes | None, subset: frozenset[str] | None = None,
               objective: str | None = None, method: str = "GET",
-              path: str = "/", request_id: str = "") -> Routed | Rejected:
+              path: str = "/", request_id: str = "",
+              selection: conformance.Selection | None = None) -> Routed | Rejected:
         """Route one request, counting the outcome. ``None``: it has no body; then ``method``
         and ``path`` say what it asks. ``subset``, ``objective`` and ``request_id`` as
-        :meth:`Router.route` takes them."""
+        :meth:`Router.route` takes them; ``selection`` as :meth:`Gateway.route`."""
         start = self._clock()
-        result = (self.gateway.route(body, subset, objective, request_id) if body is not None
-                  else self.gateway.route_bodiless(method, path, subset))
+        result = (self.gateway.route(body, subset, objective, request_id, selection)
+                  if body is not None
+                  else self.gateway.route_bodiless(method, path, subset, selection))
         self.metrics.decision_seconds.observe(self._clock() - start)
         if isinstance(result, Routed):
             self.gateway.started(result)
@@ -202,11 +220,18 @@ class Processor:
         return reply
 
     def too_large(self) -> Rejected:
-        """The 413 for a streamed request body beyond :data:`MAX_DUPLEX_BODY` (counted)."""
+        """The 413 for a streamed request body beyond :data:`MAX_HELD_BODY` (counted)."""
         rejected = reject(413, "the request body is larger than the gateway accepts (32 MiB)",
                           "request_too_large")
         self.metrics.count_request("", "", False, "", rejected.outcome)
         return rejected
+
+    def repeated_end(self) -> None:
+        """A request body message after the body ended: logged (rate limited), never routed."""
+        self._repeated_ends.warning(
+            "Envoy sent a request body message after the body's end of stream (Envoy issue "
+            "#46237: FULL_DUPLEX_STREAMED repeats the last chunk of bodies of 1 MB or more); "
+            "ignored: the request was routed once, on the first")
 
     def internal_error(self, exc: BaseException) -> pb.ProcessingResponse:
         """A 500 for a bug in the picker: logged (rate limited), counted, stream kept."""
@@ -219,26 +244,32 @@ class Processor:
 class Exchange:
     """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
 
-    __slots__ = ("_chunks", "_held_bytes", "_held_chunks", "_hold_headers", "_objective", "_p",
-                 "_reports_status", "_request_id", "_request_mode", "_response_buffered",
-                 "_response_mode", "_rewrite_to", "_rewriter", "_seen", "_served_seen",
-                 "_subset", "_tokens_counted_elsewhere", "routed")
+    __slots__ = ("_body_ended", "_chunks", "_held_bytes", "_held_chunks", "_hold_headers",
+                 "_mode_told", "_objective", "_p", "_refused", "_reports_status", "_request_id",
+                 "_request_mode", "_response_buffered", "_response_mode", "_rewrite_to",
+                 "_rewriter", "_seen", "_selection", "_served_seen", "_subset",
+                 "_tokens_counted_elsewhere", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
         self.routed: Routed | None = None
         self._request_mode = BUFFERED
         self._response_mode = NONE
+        self._mode_told = False  # Envoy sent protocol_config (1.34 and later do)
         self._hold_headers = False
+        # The request body as it arrives, while its answers wait for its end.
         self._chunks: list[bytes] = []
         self._held_chunks = 0
         self._held_bytes = 0
+        self._body_ended = False  # the request body's end was answered (routed or refused)
+        self._refused = False  # an ImmediateResponse ended the request: nothing more is answered
         self._rewriter: ResponseRewriter | None = None
         self._rewrite_to: str | None = None  # the requested name, when the response needs it
         self._response_buffered = False
         self._reports_status = False  # Envoy sends this stream the response headers for it
         self._subset: frozenset[str] | None = None  # the gateway's subset hint
         self._objective: str | None = None  # the InferenceObjective the request names
+        self._selection: conformance.Selection | None = None  # --conformance-test-headers
         self._served_seen = False
         self._request_id = ""  # Envoy's x-request-id, when recording
         self._seen: ResponseSeen | None = None  # what passed of the response, when recording
@@ -259,13 +290,14 @@ class Exchange:
         if kind == "response_headers":
             if self._rewrite_to is None and message.HasField("protocol_config"):
                 self._start_with_response(message)  # a response-rewrite filter's stream
-            return self._response_headers(message.response_headers)
+            replies = self._response_headers(message.response_headers)
+            if self._p.conformance and self.routed is not None:
+                return _with_served_header(replies, message.metadata_context)
+            return replies
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "request_trailers":
-            if self._request_mode == DUPLEX and self.routed is None:  # headers still held
-                return self._duplex_request_end(b"", with_trailers=True)
-            return (self._p.request_trailers_continue,)
+            return self._request_trailers()
         if kind == "response_trailers":
             if self._response_mode == DUPLEX and self._rewriter is not None:
                 return self._duplex_response_end()
@@ -297,7 +329,12 @@ class Exchange:
     # --- request -------------------------------------------------------------------------
 
     def _request_headers(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
+        # A new request (Envoy sends one per stream; a peer may send more): its body starts.
+        self._chunks = []
+        self._held_chunks = self._held_bytes = 0
+        self._body_ended = self._refused = False
         if message.HasField("protocol_config"):
+            self._mode_told = True
             config = message.protocol_config
             self._request_mode = config.request_body_mode
             self._response_mode = config.response_body_mode
@@ -308,6 +345,8 @@ class Exchange:
                 and config.request_body_mode == STREAMED)
         if message.HasField("metadata_context"):
             self._subset = epp.subset_hint(message.metadata_context)
+        if self._p.conformance:
+            self._selection = conformance.selection(message.request_headers)
         if self._request_mode == NONE:
             requested = _header(message.request_headers, REWRITE_HEADER)
             if requested is not None:  # the response-rewrite filter's stream
@@ -315,9 +354,10 @@ class Exchange:
                 return (self._p.rewrite_headers_continue,)
         if message.request_headers.end_of_stream or self._request_mode == NONE:
             headers = message.request_headers
+            self._body_ended = True
             return (self._answer_headers_with(self._p.route(
                 None, self._subset, method=_text(_header(headers, ":method")),
-                path=_text(_header(headers, ":path")))),)
+                path=_text(_header(headers, ":path")), selection=self._selection)),)
         # Only a request with a body is scheduled, so only it needs the objective header.
         self._objective = epp.objective(message.request_headers)
         if self._p.recording:
@@ -325,17 +365,18 @@ class Exchange:
         if self._hold_headers:
             return ()
         self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
-        if self._request_mode == STREAMED or self._reports_status:
+        # The conformance suite's served-endpoint header goes on the response headers' answer.
+        response_headers = self._reports_status or self._p.conformance
+        if self._request_mode == STREAMED or response_headers:
             # STREAMED: Envoy would send the headers upstream before the body (and so the
             # destination) is known: ask for the body buffered instead. Chunks are still
             # accumulated below should Envoy not allow the override.
-            return (self._p.headers_continue_buffered(self._response_mode,
-                                                      self._reports_status),)
+            return (self._p.headers_continue_buffered(self._response_mode, response_headers),)
         return (self._p.headers_continue,)
 
     def _answer_headers_with(self, result: Routed | Rejected) -> pb.ProcessingResponse:
         if isinstance(result, Rejected):
-            return self._p.immediate(result)
+            return self._refuse(result)
         self._take(result)
         reply = pb.ProcessingResponse()
         common = reply.request_headers.response
@@ -351,38 +392,106 @@ class Exchange:
         self.routed = routed
         self._rewrite_to = routed.model if routed.body is not None else None
 
-    def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
-        if self._request_mode == DUPLEX:
-            self._held_bytes += len(body.body)
-            if self._held_bytes > MAX_DUPLEX_BODY:
-                self._chunks = []
-                return (self._p.immediate(self._p.too_large()),)
-            if not body.end_of_stream:
-                self._chunks.append(body.body)
-                return ()
-            return self._duplex_request_end(body.body, with_trailers=False)
-        if self._request_mode != STREAMED:
-            return self._answer_body(body.body, 1)
-        self._chunks.append(body.body)
+    def _refuse(self, rejected: Rejected) -> pb.ProcessingResponse:
+        """The ImmediateResponse ending this request: Envoy stops processing it, so whatever
+        else of it arrives (chunks already on their way) is not answered again."""
+        self._chunks = []
+        self._refused = True
+        return self._p.immediate(rejected)
+
+    def _streams_body(self, body: pb.HttpBody) -> bool:
+        """Whether the body comes in several chunks answered at its end, rather than whole in
+        one message (BUFFERED) answered at once.
+
+        Told the mode (``protocol_config``), the mode decides. Not told (Envoy before 1.34,
+        other ext_proc clients), the chunks do: BUFFERED sends the body in one message that
+        ends the stream, so a chunk that does not end it means the body is streamed (STREAMED,
+        or a client that sends the body without waiting, as the llm-d router's EPP tests do).
+        """
+        if self._mode_told:
+            return self._request_mode == STREAMED
+        return self._held_chunks > 0 or not body.end_of_stream
+
+    def _hold(self, chunk: bytes) -> pb.ProcessingResponse | None:
+        """Keep ``chunk`` until the body is complete; the 413 once the body is beyond
+        :data:`MAX_HELD_BODY` (Envoy's own limit does not apply to a body it streams)."""
+        self._held_bytes += len(chunk)
+        if self._held_bytes > MAX_HELD_BODY:
+            return self._refuse(self._p.too_large())
+        self._chunks.append(chunk)
         self._held_chunks += 1
+        return None
+
+    def _take_held(self) -> tuple[bytes, int]:
+        """The held body, whole, and the number of chunks it came in; nothing is held after."""
+        chunks, count = self._chunks, self._held_chunks
+        self._chunks = []
+        self._held_chunks = 0
+        return (chunks[0] if count == 1 else b"".join(chunks)), count
+
+    def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+        if self._refused:
+            return ()
+        if self._body_ended:
+            return self._repeated_end()
+        if self._request_mode == DUPLEX:
+            refused = self._hold(body.body)
+            if refused is not None:
+                return (refused,)
+            if not body.end_of_stream:
+                return ()
+            return self._duplex_request_end(with_trailers=False)
+        if not self._streams_body(body):
+            return self._answer_body(body.body, 1)
+        refused = self._hold(body.body)
+        if refused is not None:
+            return (refused,)
         if not body.end_of_stream:
             return ()  # each chunk's answer waits until the whole body is known
-        whole = self._chunks[0] if self._held_chunks == 1 else b"".join(self._chunks)
-        self._chunks = []
-        return self._answer_body(whole, self._held_chunks)
+        return self._answer_body(*self._take_held())
 
-    def _duplex_request_end(self, last: bytes, with_trailers: bool
-                            ) -> tuple[pb.ProcessingResponse, ...]:
+    def _repeated_end(self) -> tuple[pb.ProcessingResponse, ...]:
+        """A request body message after the body ended (Envoy issue #46237 repeats the last
+        chunk, with end of stream, of FULL_DUPLEX_STREAMED bodies of 1 MB or more): the
+        request was routed on the first end, and is not routed again.
+
+        FULL_DUPLEX_STREAMED expects no answer per message, and the body already went back
+        with its end of stream: any further body answer would be spurious, so there is none.
+        In the other modes Envoy expects exactly one answer per message: an empty body answer,
+        which changes nothing."""
+        self._p.repeated_end()
+        if self._request_mode == DUPLEX:
+            return ()
+        return (self._p.request_body_continue,)
+
+    def _request_trailers(self) -> tuple[pb.ProcessingResponse, ...]:
+        """The trailers end a body whose last chunk did not: a held body is answered first."""
+        if self._refused:
+            return ()
+        if self._body_ended:
+            return (self._p.request_trailers_continue,)
+        if self._request_mode == DUPLEX:  # headers still held
+            return self._duplex_request_end(with_trailers=True)
+        if self._held_chunks:
+            answers = self._answer_body(*self._take_held())
+            if answers[0].HasField("immediate_response"):  # the request ends there
+                return answers
+            return (*answers, self._p.request_trailers_continue)
+        return (self._p.request_trailers_continue,)
+
+    def _duplex_request_end(self, with_trailers: bool) -> tuple[pb.ProcessingResponse, ...]:
         """FULL_DUPLEX_STREAMED: the whole body is here (its last chunk, or the trailers that
         follow it). Answer in the order Envoy requires: the headers (with the destination),
         the body sent back as streamed chunks (rewritten when the model was), then the
         trailers."""
-        self._chunks.append(last)
+        self._body_ended = True
         whole = b"".join(self._chunks)
         self._chunks = []
-        result = self._p.route(whole, self._subset, self._objective, request_id=self._request_id)
+        self._held_chunks = 0
+        result = self._p.route(whole, self._subset, self._objective, request_id=self._request_id,
+                               selection=self._selection)
         if isinstance(result, Rejected):
-            return (self._p.immediate(result),)
+            return (self._refuse(result),)
         replies = [self._answer_headers_with(result)]
         self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
         replies.extend(_streamed_bodies(
@@ -392,9 +501,13 @@ class Exchange:
         return tuple(replies)
 
     def _answer_body(self, body: bytes, chunks: int) -> tuple[pb.ProcessingResponse, ...]:
-        result = self._p.route(body, self._subset, self._objective, request_id=self._request_id)
+        """Route the complete body that came in ``chunks`` messages: one answer per message,
+        in order (an ImmediateResponse ends the request instead)."""
+        self._body_ended = True
+        result = self._p.route(body, self._subset, self._objective, request_id=self._request_id,
+                               selection=self._selection)
         if isinstance(result, Rejected):
-            return (self._p.immediate(result),)
+            return (self._refuse(result),)
         self._take(result)
         replies: list[pb.ProcessingResponse] = []
         if self._hold_headers:
@@ -535,6 +648,17 @@ class Exchange:
         if self._response_buffered and body.end_of_stream:
             _set_header(common.header_mutation, "content-length", str(len(new)).encode())
         return (reply,)
+
+
+def _with_served_header(replies: tuple[pb.ProcessingResponse, ...], metadata: base_pb2.Metadata
+                        ) -> tuple[pb.ProcessingResponse, ...]:
+    """``--conformance-test-headers``: the response headers' answer (the first of ``replies``;
+    a copy, as it may be a shared prebuilt one) also sets the served-endpoint header."""
+    reply = pb.ProcessingResponse()
+    reply.CopyFrom(replies[0])
+    _set_header(reply.response_headers.response.header_mutation, conformance.SERVED_HEADER,
+                conformance.served_value(metadata))
+    return (reply, *replies[1:])
 
 
 def _streamed_bodies(body: bytes, end_of_stream: bool, *, request: bool

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 
 from scheduling.record import OutcomeRecord
+from services.picker.conformance import SELECTION_HEADER, Selection
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL, PeerDecisions
 from services.picker.routing import (
     Answered,
@@ -206,20 +207,22 @@ class Gateway:
     # --- requests --------------------------------------------------------------------------
 
     def route(self, body: bytes, subset: frozenset[str] | None = None,
-              objective: str | None = None, request_id: str = "") -> Routed | Rejected:
+              objective: str | None = None, request_id: str = "",
+              selection: Selection | None = None) -> Routed | Rejected:
         """Decide where a request with this JSON ``body`` goes (``subset``, ``objective`` and
-        ``request_id``: see :meth:`Router.route`)."""
+        ``request_id``: see :meth:`Router.route`; ``selection``: the conformance suite's
+        endpoint selection, see :mod:`services.picker.conformance`)."""
         fields = read_request(body)
         if isinstance(fields, Rejected):
             return fields
         requested = fields.model or ""
         pool = self.owner.get(requested)
-        if pool is not None:
-            return self.routers[pool].route_model(body, requested, subset, objective, fields,
-                                                  request_id)
-        router = self._default_router()
+        router = self.routers[pool] if pool is not None else self._default_router()
         if router is not None:
-            return router.route_model(body, requested, subset, objective, fields, request_id)
+            limited = _limit(router, subset, selection, requested)
+            if isinstance(limited, Rejected):
+                return limited
+            return router.route_model(body, requested, limited, objective, fields, request_id)
         quoted = msgspec.json.encode(requested).decode()
         reason = (" (registered in several pools: " + ", ".join(self.conflicts[requested].pools)
                   + ")" if requested in self.conflicts else "")
@@ -236,21 +239,23 @@ class Gateway:
         return None
 
     def route_bodiless(self, method: str = "GET", path: str = "/",
-                       subset: frozenset[str] | None = None) -> Routed | Rejected:
+                       subset: frozenset[str] | None = None,
+                       selection: Selection | None = None) -> Routed | Rejected:
         """A request without a body: the model list, one model, or any pod (see module doc) of
-        the ``subset`` hint when given."""
+        the ``subset`` hint and the ``selection`` when given."""
         route_path = urllib.parse.unquote(path.partition("?")[0])
         if method == "GET" and route_path in (MODELS_PATH, MODELS_PATH + "/"):
             return Answered(200, "models", self.model_list())
         if method == "GET" and route_path.startswith(MODELS_PATH + "/"):
             return self._one_model(route_path[len(MODELS_PATH) + 1:])
         router = self._default_router()
-        if router is not None:
-            return router.route_bodiless(subset)
+        routers = [router] if router is not None else [self.routers[p]
+                                                       for p in sorted(self.routers)]
         answer: Routed | Rejected = reject(503, "no pool has a ready endpoint",
                                            "no_ready_endpoint")
-        for pool in sorted(self.routers):
-            answer = self.routers[pool].route_bodiless(subset)
+        for router in routers:
+            limited = _limit(router, subset, selection)
+            answer = limited if isinstance(limited, Rejected) else router.route_bodiless(limited)
             if isinstance(answer, Routed):
                 return answer
         return answer
@@ -385,3 +390,20 @@ def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:
                        routed.prompt_tokens, routed.max_tokens, routed.prefix_hashes,
                        # None (one byte) says "all of them", the usual case
                        None if prefill == routed.prompt_tokens else prefill)
+
+
+def _limit(router: Router, subset: frozenset[str] | None, selection: Selection | None,
+           model: str = "") -> frozenset[str] | Rejected | None:
+    """The endpoints ``router`` may pick among: the gateway's subset hint, narrowed to the
+    members the conformance ``selection`` names (a 400 when it names none of them; a pool
+    without members is left to answer its own 503)."""
+    if selection is None or not router.pods.endpoints:
+        return subset
+    chosen = selection.members(router.pods.endpoints)
+    if not chosen:
+        # The header may be 16 KiB: enough of it to recognise it.
+        return reject(400, f"the {SELECTION_HEADER} header names no endpoint of pool "
+                      f"{msgspec.json.encode(router.pool_name).decode()}: "
+                      f"{selection.text[:200]}",
+                      "test_endpoint_not_in_pool", model)
+    return chosen if subset is None else chosen & subset

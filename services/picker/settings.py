@@ -141,6 +141,13 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "the picker); without it an outcome has the duration always, the status when the "
         "gray-pod guard sampled the response, and usage only when the picker saw the body")] \
         = False
+    conformance_test_headers: Annotated[bool, option(
+        "for the Gateway API Inference Extension's conformance suite only: pick among the pool "
+        "endpoints a request's test-epp-endpoint-selection header names (IP or IP:port, "
+        "comma-separated; none of them in the pool: 400 test_endpoint_not_in_pool) and answer "
+        "the response headers with x-conformance-test-served-endpoint (the endpoint the gateway "
+        "reports as having served the request). It lets any client choose its pod: never on in "
+        "production")] = False
     tls_cert: Annotated[str | None, option(
         "PEM certificate chain: serve ext_proc over TLS (with --tls-key)",
         aliases=("LIG_PICKER_TLS_CERT",))] = None

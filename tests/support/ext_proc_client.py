@@ -67,3 +67,29 @@ async def route(port: int, body: bytes, path: bytes = b"/v1/completions",
         answer = await call.read()
         await call.done_writing()
     return _answer(answer)
+
+
+async def exchange(port: int, messages: list[pb.ProcessingRequest],
+                   rpc_timeout_s: float = 10.0) -> list[pb.ProcessingResponse]:
+    """Write every message of ``messages`` on one ext_proc stream before reading anything (as
+    the llm-d router's EPP tests do), then response headers as a marker; every answer the
+    picker sent before the marker's, in order.
+
+    The picker answers a stream's messages in order, so the marker's answer tells that nothing
+    more will come for the others: no waiting for answers that should not come."""
+    marker = pb.ProcessingRequest()
+    marker.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    answers: list[pb.ProcessingResponse] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process(
+            timeout=rpc_timeout_s)
+        for message in (*messages, marker):
+            await call.write(message)
+        while True:
+            answer = await call.read()
+            assert answer is not grpc.aio.EOF, f"the stream ended after {answers}"
+            if answer.HasField("response_headers"):
+                break
+            answers.append(answer)
+        await call.done_writing()
+    return answers

@@ -37,6 +37,7 @@ PROCESS_MODULES = (
     "tests.support.certs",
     "tests.support.collector",
     "tests.support.envoy",
+    "tests.support.ext_proc_client",
     "tests.support.fleet_feed",
     "tests.support.http2_peer",
     "tests.support.kube_apiserver",
