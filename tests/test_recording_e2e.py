@@ -152,6 +152,9 @@ async def test_a_recorded_stack_replayed_into_a_fresh_nats_drives_a_picker(
 # machine (10 s recorded: 40 s of replay, stopped once checked).
 LONG_SINCE = "10m"
 SLOW = 0.25
+# A pod's replayed snapshots come SPACING_S apart (the test stacks' scrape interval, slowed):
+# `lig status` listens that long and more, and judges them stale after two spacings.
+SPACING_S = SCRAPE_INTERVAL_S / SLOW
 
 
 def published_records(path: Path) -> int:
@@ -198,15 +201,16 @@ async def test_a_window_longer_than_the_recording_replays_at_once_with_progress_
             try:
                 # Honouring the window's empty start would publish nothing for over 9 minutes
                 # (36 at this speed): snapshots within a minute are the replay starting at once.
-                await eventually(lambda: len(offsets_s) >= 10, within=60,
+                await eventually(lambda: len(offsets_s) >= 6, within=60,
                                  what="snapshots from the replay's start")
                 # Read through the NATS only: the running stack's state folder is given, and
-                # its pickers (on the stack's NATS) must not be listed as this fleet's. A
-                # staleness of 3 s as in the test stacks (docs/testing.md): the point is that
-                # replayed snapshots are dated now, not an hour or ten minutes off.
+                # its pickers (on the stack's NATS) must not be listed as this fleet's. Stale
+                # after two spacings: the point is that replayed snapshots are dated now, not
+                # ten minutes off.
                 status = await asyncio.to_thread(
                     lig, "status", "--nats-url", nats_server.url, "--prefix", info.prefix,
-                    "--state-dir", str(state), "--stale-after", "3", "--json")
+                    "--state-dir", str(state), "--stale-after", str(2 * SPACING_S),
+                    "--window", str(SPACING_S + 1), "--json")
                 assert replay.poll() is None, "the replay ended before lig status read it"
             finally:
                 replay.send_signal(signal.SIGTERM)
