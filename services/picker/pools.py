@@ -376,7 +376,7 @@ def _outcome(routed: Routed, prompt_tokens: int, completion_tokens: int | None,
         (first_byte - start) / 1e6 if first_byte else None,
         (time.perf_counter_ns() - start) / 1e6,
         prompt_tokens if known else None, completion_tokens,
-        cached_tokens if known else None, routed.cached_on(routed.pod))
+        cached_tokens, routed.cached_on(routed.pod))
 
 
 def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:
