@@ -124,4 +124,16 @@ def _outcome(outcome: OutcomeRecord) -> str:
              else f"{outcome.prompt_tokens} prompt + {outcome.completion_tokens or 0} "
                   "completion tokens")
     return (f"served by {outcome.served}, status {outcome.status}, first byte {ttfb}, "
-            f"done after {outcome.duration_ms:.1f} ms, {usage}")
+            f"done after {outcome.duration_ms:.1f} ms, {usage}{_reuse(outcome)}")
+
+
+def _reuse(outcome: OutcomeRecord) -> str:
+    """The prompt tokens found cached against the prefix index's prediction (nothing for a
+    recording older than the fields, which has neither)."""
+    if outcome.cached_tokens is None and outcome.predicted_cached_tokens is None:
+        return ""
+    observed = ("cached tokens not reported" if outcome.cached_tokens is None
+                else f"{outcome.cached_tokens} cached")
+    predicted = ("" if outcome.predicted_cached_tokens is None
+                 else f" (predicted {outcome.predicted_cached_tokens})")
+    return f", {observed}{predicted}"

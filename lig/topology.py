@@ -148,7 +148,10 @@ class StackPlan(msgspec.Struct, frozen=True):
     With ``kv_events`` the simulated pods publish KV-cache events and one ``lig kv-events``
     (given ``kv_events_args`` last) republishes them on NATS. The pickers get ``tokenizers`` as
     ``--tokenizer POOL=SPEC`` (precise prefix routing on those pools' events); a simulated pool
-    given a tokenizer file gets it as ``lig sim --tokenizer`` too.
+    given a tokenizer file gets it as ``lig sim --tokenizer`` too. Simulated pods report the
+    prompt tokens they found cached, and with ``record_responses`` the pickers read every
+    response (``lig picker --record-responses``), so that their outcome records are complete
+    and their predicted/observed reuse counters move: a local stack is for seeing.
     """
 
     state_dir: str
@@ -166,6 +169,7 @@ class StackPlan(msgspec.Struct, frozen=True):
     sim_args: list[str] = []
     kv_events: bool = True
     kv_events_args: list[str] = []
+    record_responses: bool = True
     tokenizers: dict[str, str] = {}  # pool -> the pickers' --tokenizer spec
     prefix: str = "lig"
     log_level: str = "INFO"
@@ -194,6 +198,8 @@ class StackPlan(msgspec.Struct, frozen=True):
                 "--base-port", str(sim.pods[0].port), "--model", sim.model,
                 *lora_flags, *self.sim_kv_events_flags(sim.pods[0].port),
                 *self.sim_tokenizer_flags(sim),
+                # Usage reports cached tokens, for the pickers' predicted/observed reuse.
+                "--enable-prompt-tokens-details",
                 "--log-level", self.log_level, *self.sim_args,
             )))
         override = (["--endpoints-override", self.registry_endpoints_override]
@@ -221,7 +227,8 @@ class StackPlan(msgspec.Struct, frozen=True):
                   for flag in ("--tokenizer", f"{pool}={spec}")],
                 "--host", LOOPBACK,
                 "--grpc-port", str(picker.grpc), "--health-port", str(picker.health),
-                "--metrics-port", str(picker.metrics), *self.nats_flags(),
+                "--metrics-port", str(picker.metrics),
+                *(["--record-responses"] if self.record_responses else []), *self.nats_flags(),
             )))
         specs.append(ChildSpec("envoy", [
             server_binary("envoy"), "--config-path", self.envoy_config,

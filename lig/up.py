@@ -68,6 +68,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"{-KV_REPLAY_OFFSET}; with --free-ports other free offsets) and "
                              "one `lig kv-events` republishes them on NATS as "
                              "<prefix>.kvblocks.<pool>.<pod>; --no-kv-events runs neither")
+    parser.add_argument("--record-responses", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="the pickers read every response (`lig picker "
+                             "--record-responses`): outcome records with status, time to first "
+                             "byte and usage, and the predicted/observed prefix-cache reuse "
+                             "counters (lig_picker_reused_tokens_*); --no-record-responses runs "
+                             "them as a production picker runs by default")
     parser.add_argument("--kv-events-args", default="", metavar="ARGS",
                         help="more flags for `lig kv-events`, in one string (e.g. "
                              "--kv-events-args='--events-port 5557 --replay-port 5558' for real "
@@ -197,6 +204,7 @@ def make_plan(args: argparse.Namespace,
         kv_events_args=shlex.split(args.kv_events_args),
         tokenizers=stack_config.pool_tokenizers(args.tokenizer or [], pools,
                                                 [sim.pool for sim in sims], args.kv_events),
+        record_responses=args.record_responses,
         prefix=args.prefix,
         log_level=args.log_level,
     )

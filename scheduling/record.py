@@ -67,8 +67,12 @@ class OutcomeRecord(msgspec.Struct, frozen=True, array_like=True, tag="o"):
     ended before a response, or, without ``lig picker --record-responses``, the response was not
     one the gray-pod guard sampled); ``ttfb_ms`` the time from the decision to the response's
     first body byte (None: no body seen); ``duration_ms`` from the decision to the end; token
-    counts from the response's usage (None: not reported or not seen). docs/recording.md,
-    "Decision records", says when the picker sees what.
+    counts from the response's usage (None: not reported or not seen). ``cached_tokens`` is
+    the usage's ``prompt_tokens_details.cached_tokens``, the prompt tokens ``served`` found in
+    its prefix cache (None: not reported: vLLM reports it with
+    ``--enable-prompt-tokens-details``), ``predicted_cached_tokens`` the prompt tokens the
+    picker's prefix index expected ``served`` to have cached (None: recorded by a picker that
+    predates the field). docs/recording.md, "Decision records", says when the picker sees what.
     """
 
     request_id: str
@@ -79,6 +83,8 @@ class OutcomeRecord(msgspec.Struct, frozen=True, array_like=True, tag="o"):
     duration_ms: float
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None
 
 
 Record = DecisionRecord | OutcomeRecord

@@ -98,6 +98,8 @@ class PodSettings(msgspec.Struct, frozen=True):
     kv_events: KVEventsConfig = KVEventsConfig()
     kv_events_wire: Wire = Wire()
     tokenizer: str | None = None  # --tokenizer (None: simulator/tokenizer.py)
+    # --enable-prompt-tokens-details: usage reports the prompt tokens found in the prefix cache.
+    prompt_tokens_details: bool = False
 
 
 class KVEventFault(msgspec.Struct, frozen=True):
@@ -279,7 +281,14 @@ class SimulatedPod:
                 self.runner.abort(request)
         text = "".join(tokenizer.token_text(word, index == 0 and chat)
                        for index, word in enumerate(words[: request.num_output]))
-        return Response(200, writer.body(text, request.finish_reason, request.num_output))
+        return Response(200, writer.body(text, request.finish_reason, request.num_output,
+                                         self._cached_tokens(request)))
+
+    def _cached_tokens(self, request: Request) -> int | None:
+        """What usage reports as ``prompt_tokens_details.cached_tokens`` for a finished
+        ``request``: the prompt tokens its first admission found in the prefix cache, as vLLM's
+        ``num_cached_tokens`` (None: ``--enable-prompt-tokens-details`` is off)."""
+        return request.num_cached_tokens if self.settings.prompt_tokens_details else None
 
     def _submit(self, call: CompletionCall) -> tuple[Request, list[int]]:
         """Decide the output and queue the request; raises ApiError when the engine refuses."""
@@ -335,7 +344,7 @@ class SimulatedPod:
                 await progress.wait()
                 progress.clear()
             if writer.call.include_usage:
-                yield writer.usage_chunk(request.num_output)
+                yield writer.usage_chunk(request.num_output, self._cached_tokens(request))
             yield writer.done()
         finally:
             if not request.finished:

@@ -106,6 +106,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "generated tokens keep the built-in's ids. Requests it cannot tokenize exactly "
         "(non-text content, chat without a template) get a 400",
     )
+    parser.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens found in the "
+        "prefix cache, as vLLM's flag of that name does (off: the details are null)",
+    )
     add_logging_arguments(parser)
 
 
@@ -162,6 +167,7 @@ def settings_from_args(args: argparse.Namespace) -> list[PodSettings]:
             kv_events_wire=Wire(args.kv_events_encoding, args.kv_events_hashes,
                                 args.kv_events_replay_framing == "topic"),
             tokenizer=args.tokenizer,
+            prompt_tokens_details=args.enable_prompt_tokens_details,
         )
         for index in range(args.pods)
     ]

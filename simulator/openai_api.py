@@ -178,13 +178,21 @@ def _content_text(content: Any, index: int) -> str:
     raise ApiError(400, f"messages[{index}].content must be a string or a list of parts")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          stream: bool = False) -> dict[str, Any]:
+    """The ``usage`` object. ``cached_tokens`` (``--enable-prompt-tokens-details``; None: off)
+    fills ``prompt_tokens_details`` as vLLM does: in full in a whole body, without its null
+    fields in a stream's usage chunk (vLLM drops None there)."""
+    details: dict[str, Any] | None = None
+    if cached_tokens is not None:
+        details = {"cached_tokens": cached_tokens} if stream else {
+            "cached_tokens": cached_tokens, "created_cache_tokens": None,
+            "multimodal_tokens": None}
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": details,
     }
 
 
@@ -205,8 +213,9 @@ class ResponseWriter:
             "choices": choices,
         }
 
-    def body(self, text: str, finish_reason: str | None, completion_tokens: int) -> bytes:
-        """The non-streaming response."""
+    def body(self, text: str, finish_reason: str | None, completion_tokens: int,
+             cached_tokens: int | None = None) -> bytes:
+        """The non-streaming response (``cached_tokens``: see :func:`usage`)."""
         call = self.call
         if call.chat:
             choice = {
@@ -226,7 +235,7 @@ class ResponseWriter:
                 "stop_reason": None,
             }
             data = self._envelope("text_completion", [choice])
-        data["usage"] = usage(len(call.prompt), completion_tokens)
+        data["usage"] = usage(len(call.prompt), completion_tokens, cached_tokens)
         return _json.encode(data)
 
     def _event(self, data: dict[str, Any]) -> bytes:
@@ -263,11 +272,12 @@ class ResponseWriter:
         }
         return self._event(self._envelope("text_completion", [choice]))
 
-    def usage_chunk(self, completion_tokens: int) -> bytes:
-        """The final chunk with no choices and the usage (``stream_options.include_usage``)."""
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        """The final chunk with no choices and the usage (``stream_options.include_usage``;
+        ``cached_tokens``: see :func:`usage`)."""
         object_type = "chat.completion.chunk" if self.call.chat else "text_completion"
         data = self._envelope(object_type, [])
-        data["usage"] = usage(len(self.call.prompt), completion_tokens)
+        data["usage"] = usage(len(self.call.prompt), completion_tokens, cached_tokens, True)
         return self._event(data)
 
     @staticmethod

@@ -122,6 +122,36 @@ def test_every_picker_that_recorded_the_request_is_shown(tmp_path: Path, capsys)
         "usage not reported")
 
 
+@pytest.mark.parametrize(("cached", "predicted", "shown"), [
+    (480, 512, ", 480 cached (predicted 512)"),
+    (None, 512, ", cached tokens not reported (predicted 512)"),
+    (None, None, "")],  # recorded before the fields
+    ids=["reported", "not-reported", "older-recording"])
+def test_the_outcome_line_compares_cached_tokens_with_the_prediction(
+        tmp_path: Path, capsys, cached: int | None, predicted: int | None, shown: str) -> None:
+    path = tmp_path / "reuse.ligrec"
+    record = Recorder(PolicyConfig("least-queue")).decide(
+        random_record(random.Random(4), 1, START_NS + 1, "least-queue",
+                      random_view(random.Random(4), 3)))
+    outcome = OutcomeRecord("req-1", 1, str(record.pick), 200, 3.0, 9.0, 600, 4, cached,
+                            predicted)
+    with path.open("wb") as out:
+        writer = Writer(out, FileHeader(START_NS, START_NS, START_NS + 10, "lig"))
+        for time_ns, entry in ((1, record), (2, outcome)):
+            batch = RecordBatch("picker-a", "chat", START_NS + time_ns, [entry])
+            writer.add(Kind.DECISION, Entry(START_NS + time_ns, "records.chat",
+                                            msgspec.msgpack.encode(batch)))
+        writer.close()
+    code, out, _ = explain(capsys, "--recording", str(path), "--request-id", "req-1")
+    assert code == 0
+    assert out.rstrip("\n").split("\n")[-1].endswith(
+        f"600 prompt + 4 completion tokens{shown}")
+    code, out, _ = explain(capsys, "--recording", str(path), "--request-id", "req-1", "--json")
+    (decision,) = json.loads(out)["decisions"]
+    assert (decision["outcome"]["cached_tokens"],
+            decision["outcome"]["predicted_cached_tokens"]) == (cached, predicted)
+
+
 def test_an_unknown_request_id_is_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
     path = tmp_path / "fleet.ligrec"
     write(path, Spec(decisions=50))

@@ -270,3 +270,55 @@ def test_records_are_on_by_default_and_turned_off_by_flag_or_env(
     both_off = settings_from(parser.parse_args(["--pool", POOL, "--no-shared-decisions",
                                                 "--no-record-decisions"]))
     assert decision_publisher(both_off, Subjects(), metrics) is None
+
+
+def served_twice(processor: Processor, usage: bytes) -> None:
+    """The same long prompt twice to pod-0 (the gateway's subset hint), each response carrying
+    ``usage``, over the endpoint picker protocol (the responses pass the routing stream)."""
+    body = msgspec.json.encode({"model": "premium", "prompt": LONG_PROMPT})
+    for _ in range(2):
+        exchange = Exchange(processor)
+        exchange.handle(headers_message(DUPLEX, subset=["10.0.0.0:8000"]))
+        exchange.handle(body_message(body, True))
+        exchange.handle(response_headers(b"200", b"application/json"))
+        exchange.handle(body_message(usage, True, response=True))
+        exchange.close()
+
+
+def reuse_counters(processor: Processor) -> tuple[float, float, float]:
+    metrics = processor.metrics
+    return tuple(counter.labels(POOL)._value.get() for counter in (  # type: ignore[return-value]
+        metrics.reused_predicted, metrics.reused_observed, metrics.reused_reports))
+
+
+def test_the_outcome_and_the_pool_counters_hold_observed_and_predicted_reuse() -> None:
+    processor, records = recording_processor(record_responses=False)
+    served_twice(processor, b'{"usage": {"prompt_tokens": 700, "completion_tokens": 9, '
+                            b'"prompt_tokens_details": {"cached_tokens": 640}}}')
+    decisions = [r for r in records if isinstance(r, DecisionRecord)]
+    first, second = [r for r in records if isinstance(r, OutcomeRecord)]
+    assert [d.pick for d in decisions] == ["pod-0", "pod-0"]
+    assert first.predicted_cached_tokens == 0  # nothing routed there before
+    assert decisions[1].prefix_hits["pod-0"] == decisions[1].prefix_blocks > 0
+    predicted = second.predicted_cached_tokens
+    assert predicted is not None and 0 < predicted <= decisions[1].prompt_tokens
+    assert (first.cached_tokens, second.cached_tokens) == (640, 640)
+    assert reuse_counters(processor) == (predicted, 2 * 640, 2)
+
+
+@pytest.mark.parametrize("details", [b"", b', "prompt_tokens_details": null'])
+def test_responses_without_cached_tokens_count_in_neither_counter(details: bytes) -> None:
+    processor, records = recording_processor(record_responses=False)
+    served_twice(processor, b'{"usage": {"prompt_tokens": 700, "completion_tokens": 9%s}}'
+                 % details)
+    outcomes = [r for r in records if isinstance(r, OutcomeRecord)]
+    assert [o.cached_tokens for o in outcomes] == [None, None]
+    assert outcomes[1].predicted_cached_tokens  # the prediction is recorded regardless
+    assert reuse_counters(processor) == (0, 0, 0)
+
+
+def test_an_outcome_recorded_before_the_cache_fields_decodes_with_none() -> None:
+    old = msgspec.msgpack.encode(["o", "r-1", 3, "pod-0", 200, 1.5, 9.0, 4, 2])
+    outcome = msgspec.msgpack.decode(old, type=OutcomeRecord)
+    assert (outcome.completion_tokens, outcome.cached_tokens,
+            outcome.predicted_cached_tokens) == (2, None, None)

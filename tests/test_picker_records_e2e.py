@@ -1,7 +1,9 @@
 """The flight recorder with real processes: a request through a real Envoy to `lig sim` pods,
 routed by a real picker over a real nats-server. The client gets Envoy's ``x-request-id`` back;
 the picker's RecordBatch on ``lig.records.<pool>`` holds a DecisionRecord with that id and the
-pod that served it, then its OutcomeRecord (status 200 and usage with ``--record-responses``)."""
+pod that served it, then its OutcomeRecord (status 200 and usage with ``--record-responses``;
+with pods that report cached tokens, those and the prefix index's prediction, which the picker's
+reuse counters add up)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import httpx
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from scheduling.record import DecisionRecord, OutcomeRecord, RecordBatch
 from shared.schemas import decode
@@ -35,8 +38,9 @@ IDLE = {"waiting": 0, "running": 0, "kv_cache_usage": 0.05}
 class Stack:
     """NATS, two simulated pods (registry and snapshots from a feed), one picker, one Envoy."""
 
-    def __init__(self, workdir: Path, nats: NatsServer, picker_args: tuple[str, ...]) -> None:
-        self.pods = SimulatedPods(2, time_scale=10.0).start()
+    def __init__(self, workdir: Path, nats: NatsServer, picker_args: tuple[str, ...],
+                 sim_args: tuple[str, ...] = ()) -> None:
+        self.pods = SimulatedPods(2, time_scale=10.0, extra_args=sim_args).start()
         self.feed = FleetFeed(nats.url, POOL, interval=0.1).start()
         self.feed.set_pool()
         self.feed.set_model(MODEL)
@@ -59,6 +63,18 @@ class Stack:
 def stack(request: pytest.FixtureRequest, tmp_path: Path,
           nats_server: NatsServer) -> Iterator[Stack]:
     built = Stack(tmp_path, nats_server, tuple(request.param))
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+@pytest.fixture
+def reporting_stack(tmp_path: Path, nats_server: NatsServer) -> Iterator[Stack]:
+    """Pods that report cached tokens (as vLLM with --enable-prompt-tokens-details), a picker
+    that reads every response."""
+    built = Stack(tmp_path, nats_server, ("--record-responses",),
+                  ("--enable-prompt-tokens-details",))
     try:
         yield built
     finally:
@@ -160,3 +176,51 @@ async def test_by_default_every_decision_and_its_end_are_recorded(
         # guard sampled (one in four by default).
         assert outcome.status in (0, 200)
     assert len({records.decisions[request_id].seq for request_id in ids}) == 8
+
+
+def reuse_counters(picker: PickerProcess) -> dict[str, float]:
+    """The pool's ``lig_picker_reused_tokens_*_total`` counters by kind (0 when absent)."""
+    found = {"predicted": 0.0, "observed": 0.0, "reports": 0.0}
+    for family in text_string_to_metric_families(picker.metrics()):
+        for sample in family.samples:
+            kind = sample.name.removeprefix("lig_picker_reused_tokens_").removesuffix("_total")
+            if sample.name.endswith("_total") and kind in found and sample.labels == {
+                    "pool": POOL}:
+                found[kind] = sample.value
+    return found
+
+
+async def test_the_outcomes_and_counters_hold_the_cache_hits_the_pods_report(
+        reporting_stack: Stack, nc: Client) -> None:
+    """The same long prompt three times, one at a time (the second streamed): with two pods
+    at least one request lands where the prompt was served before, and that pod reports a
+    prefix-cache hit that the picker's prefix index predicted too."""
+    stack = reporting_stack
+    records = await subscribe(nc)
+    prompt = "You are a helpful assistant. Answer in one line. " * 100  # ~4.9 KiB: 4 blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+    ids = []
+    async with httpx.AsyncClient(base_url=stack.envoy.url, timeout=10) as client:
+        for stream in (False, True, False):
+            extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+            response = await client.post("/v1/completions", json={**body, **extra})
+            assert response.status_code == 200
+            ids.append(response.headers["x-request-id"])
+            await records.wait_for(ids[-1])  # ended before the next is sent
+    outcomes = [(await records.wait_for(request_id))[1] for request_id in ids]
+    assert all(o.cached_tokens is not None and o.predicted_cached_tokens is not None
+               for o in outcomes)
+    assert outcomes[0].cached_tokens == outcomes[0].predicted_cached_tokens == 0
+    seen: set[str] = set()
+    again = 0
+    for outcome in outcomes:
+        if outcome.served in seen:  # served the prompt before: a hit, and foreseen
+            again += 1
+            assert outcome.cached_tokens and outcome.cached_tokens < outcome.prompt_tokens
+            assert outcome.predicted_cached_tokens
+        seen.add(outcome.served)
+    assert again >= 1
+    assert reuse_counters(stack.picker) == {
+        "predicted": sum(o.predicted_cached_tokens or 0 for o in outcomes),
+        "observed": sum(o.cached_tokens or 0 for o in outcomes),
+        "reports": 3}

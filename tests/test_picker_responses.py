@@ -72,3 +72,56 @@ def test_read_only_mode_changes_nothing_but_reads_usage() -> None:
     assert sse_reader.feed(stream[:10], end=False) is None
     assert sse_reader.feed(stream[10:], end=True) is None
     assert sse_reader.usage == Usage(2, 9)
+
+
+# prompt_tokens_details as vLLM sends it: the whole object in a body, only the set fields in a
+# stream's usage chunk, null without --enable-prompt-tokens-details (or absent, as other servers).
+DETAILS = {"cached_tokens": 48, "created_cache_tokens": None, "multimodal_tokens": None}
+
+
+def usage_of(details: object, *, absent: bool = False) -> dict[str, object]:
+    usage: dict[str, object] = {"prompt_tokens": 64, "completion_tokens": 7, "total_tokens": 71}
+    if not absent:
+        usage["prompt_tokens_details"] = details
+    return usage
+
+
+def read(requested: str | None, sse_mode: bool, usage: dict[str, object]) -> Usage | None:
+    """The usage a rewriter reads from a response carrying ``usage`` (chunks cut mid-line)."""
+    if sse_mode:
+        body = sse({"model": "chat-v2", "choices": [{"text": "a"}], "usage": None},
+                   {"model": "chat-v2", "choices": [], "usage": usage})
+    else:
+        body = msgspec.json.encode({**COMPLETION, "usage": usage})
+    rewriter = ResponseRewriter(requested, sse_mode)
+    for start in range(0, len(body), 23):
+        rewriter.feed(body[start : start + 23], end=start + 23 >= len(body))
+    return rewriter.usage
+
+
+PATHS = pytest.mark.parametrize(("requested", "sse_mode"), [
+    (None, False), (None, True), ("chat", False), ("chat", True)],
+    ids=["json-read", "sse-read", "json-rewrite", "sse-rewrite"])
+
+
+@PATHS
+@pytest.mark.parametrize("details", [DETAILS, {"cached_tokens": 48}], ids=["body", "stream"])
+def test_cached_tokens_are_read_from_the_prompt_tokens_details(
+        requested: str | None, sse_mode: bool, details: object) -> None:
+    assert read(requested, sse_mode, usage_of(details)) == Usage(64, 7, 48)
+
+
+@PATHS
+def test_zero_cached_tokens_is_a_report_not_a_missing_one(requested: str | None,
+                                                          sse_mode: bool) -> None:
+    assert read(requested, sse_mode, usage_of({"cached_tokens": 0})) == Usage(64, 7, 0)
+
+
+@PATHS
+@pytest.mark.parametrize("details", [
+    None, {}, {"cached_tokens": None}, {"cached_tokens": "48"}, {"cached_tokens": True},
+    {"cached_tokens": -1}, {"cached_tokens": 4.5}, [48], "absent"])
+def test_details_without_a_cached_count_keep_the_token_counts(
+        requested: str | None, sse_mode: bool, details: object) -> None:
+    usage = usage_of(None, absent=True) if details == "absent" else usage_of(details)
+    assert read(requested, sse_mode, usage) == Usage(64, 7, None)

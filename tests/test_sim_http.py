@@ -137,6 +137,28 @@ def test_streamed_completion_is_valid_sse_with_a_usage_chunk(
     }
 
 
+def test_with_prompt_tokens_details_usage_reports_the_prefix_cache_hit(
+    client: httpx.Client
+) -> None:
+    """As vLLM with --enable-prompt-tokens-details: the prompt tokens found cached, whole 16-token
+    blocks of at most all but the last token; in full in a body, without nulls in a stream."""
+    prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks cacheable (96 tokens)
+    with SimulatedPods(1, time_scale=20, extra_args=("--enable-prompt-tokens-details",)) as pod:
+        url = pod.url(0) + "/v1/completions"
+        reported = []
+        for _ in range(2):
+            usage = client.post(url, json={"prompt": prompt, "max_tokens": 2}).json()["usage"]
+            reported.append(usage["prompt_tokens_details"])
+        stream = {"prompt": prompt, "max_tokens": 2, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        with client.stream("POST", url, json=stream) as response:
+            last = json.loads(sse_payloads(response)[-1])
+    assert reported == [
+        {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None},
+        {"cached_tokens": 96, "created_cache_tokens": None, "multimodal_tokens": None}]
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+
+
 def test_streamed_chat_opens_with_the_role_and_ends_with_the_reason(
     pods: SimulatedPods, client: httpx.Client
 ) -> None:

@@ -378,3 +378,23 @@ def test_the_example_pools_run_the_default_policy_at_its_defaults(config: Path) 
     assert found and {policy.name for policy in found.values()} == {DEFAULT_POLICY_NAME}
     for policy in found.values():
         assert parse_params(policy.params, ProfileParams, "") == PREFIX_AWARE
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-record-responses"]], ids=["default", "off"])
+def test_the_pods_report_cached_tokens_and_the_pickers_read_them(
+        tmp_path: Path, flags: list[str]) -> None:
+    """Out of the box the pickers' predicted/observed reuse counters move: the simulated pods
+    report cached tokens (as vLLM with --enable-prompt-tokens-details) and the pickers read
+    every response; --no-record-responses keeps the pickers as production runs them."""
+    plan, _ = up.make_plan(up_args("--state-dir", str(tmp_path), *flags))
+    sims = pickers = 0
+    for child in plan.children():
+        if child.name == "sim":
+            command, args = parse_command(child.argv[3:])
+            assert command == "sim" and args.enable_prompt_tokens_details
+            sims += 1
+        elif child.name.startswith("picker-"):
+            command, settings = parse_command(child.argv[3:])
+            assert command == "picker" and settings.record_responses == (not flags)
+            pickers += 1
+    assert (sims, pickers) == (1, 2)

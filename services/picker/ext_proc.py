@@ -317,7 +317,10 @@ class Exchange:
         if routed is not None:
             if usage is not None:
                 self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens,
-                                         self._seen)
+                                         self._seen, usage.cached_tokens)
+                if usage.cached_tokens is not None:
+                    self._p.metrics.count_reuse(routed.pool, routed.cached_on(routed.pod),
+                                                usage.cached_tokens)
             else:
                 self._p.gateway.finished(routed, response=self._seen)
         if usage is not None and not self._tokens_counted_elsewhere:

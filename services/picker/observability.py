@@ -121,8 +121,24 @@ class PickerMetrics:
             ["reason"], registry=prometheus)
         self.precise = PreciseIndexCollector()
         prometheus.register(self.precise)
+        # Prefix-cache reuse, predicted and observed over the same requests (those whose
+        # response reported cached_tokens), so that their ratio tells how right the prefix
+        # index is (docs/scheduling.md, "Is the prefix index right?").
+        self.reused_predicted = Counter(
+            "lig_picker_reused_tokens_predicted", "Prompt tokens the prefix index expected the "
+            "serving pod to have cached, over the requests whose response reported cached "
+            "tokens, by pool", ["pool"], registry=prometheus)
+        self.reused_observed = Counter(
+            "lig_picker_reused_tokens_observed", "Prompt tokens the serving pod reported "
+            "cached (usage.prompt_tokens_details.cached_tokens; vLLM: "
+            "--enable-prompt-tokens-details), by pool", ["pool"], registry=prometheus)
+        self.reused_reports = Counter(
+            "lig_picker_reused_tokens_reports", "Responses that reported cached tokens (the "
+            "requests both reused-token counters count), by pool", ["pool"],
+            registry=prometheus)
         self._request_children: dict[tuple[str, str, str, str], Counter] = {}
         self._token_children: dict[str, tuple[Counter, Counter]] = {}
+        self._reuse_children: dict[str, tuple[Counter, Counter, Counter]] = {}
         self._pods_seen: set[str] = set()
 
     def count_request(self, model: str, target_model: str, registered: bool, pod: str,
@@ -153,6 +169,17 @@ class PickerMetrics:
                 self.tokens.labels(name, "prompt"), self.tokens.labels(name, "completion"))
         children[0].inc(usage.prompt_tokens)
         children[1].inc(usage.completion_tokens)
+
+    def count_reuse(self, pool: str, predicted: int, observed: int) -> None:
+        """Add one response's reported cached tokens and the picker's prediction for it."""
+        children = self._reuse_children.get(pool)
+        if children is None:
+            children = self._reuse_children[pool] = (
+                self.reused_predicted.labels(pool), self.reused_observed.labels(pool),
+                self.reused_reports.labels(pool))
+        children[0].inc(predicted)
+        children[1].inc(observed)
+        children[2].inc()
 
     def show_pods(self, pools: dict[str, Freshness], in_flight: dict[str, int]) -> None:
         """Refresh the per-pool and per-pod gauges (members leave no stale label behind)."""

@@ -296,11 +296,11 @@ class Gateway:
                 self.on_decision(routed.pool, _routed_event(routed))
 
     def finished(self, routed: Routed, prompt_tokens: int = 0,
-                 completion_tokens: int | None = None, response: ResponseSeen | None = None
-                 ) -> None:
+                 completion_tokens: int | None = None, response: ResponseSeen | None = None,
+                 cached_tokens: int | None = None) -> None:
         """The request sent to ``routed``'s pod has ended (with the token usage its response
         reported, when known, and what the picker saw of the response, for its outcome
-        record)."""
+        record; ``cached_tokens``: the prompt tokens the pod reported found in its cache)."""
         pods = self.table(routed.pool)
         if pods is not None:
             pods.finished(routed.pod)
@@ -309,7 +309,7 @@ class Gateway:
                     routed.request_id, routed.pod, prompt_tokens, completion_tokens))
             if self.on_record is not None and routed.decided_ns:
                 self.on_record(routed.pool, _outcome(routed, prompt_tokens, completion_tokens,
-                                                     response))
+                                                     response, cached_tokens))
 
     def served_elsewhere(self, routed: Routed, pod: str) -> None:
         """The request routed as ``routed`` was served by member ``pod`` of its pool (the
@@ -370,7 +370,7 @@ class ResponseSeen(msgspec.Struct):
 
 
 def _outcome(routed: Routed, prompt_tokens: int, completion_tokens: int | None,
-             response: ResponseSeen | None) -> OutcomeRecord:
+             response: ResponseSeen | None, cached_tokens: int | None) -> OutcomeRecord:
     """The outcome record of ``routed``, ending now; usage None when the response reported
     none (``completion_tokens`` None)."""
     start = routed.decided_ns
@@ -380,7 +380,8 @@ def _outcome(routed: Routed, prompt_tokens: int, completion_tokens: int | None,
         routed.envoy_request_id, routed.request_id, routed.pod, status,
         (first_byte - start) / 1e6 if first_byte else None,
         (time.perf_counter_ns() - start) / 1e6,
-        prompt_tokens if known else None, completion_tokens)
+        prompt_tokens if known else None, completion_tokens,
+        cached_tokens, routed.cached_on(routed.pod))
 
 
 def _routed_event(routed: Routed, pod: str | None = None) -> RoutedEvent:

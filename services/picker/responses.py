@@ -4,6 +4,11 @@ When the picker resolved a requested name to a different target model, the model
 with the target's name; the client must see the name it asked for. Plain JSON bodies are
 rewritten whole; Server-Sent Events are rewritten line by line as chunks pass, holding back only
 an incomplete last line.
+
+Usage may carry ``prompt_tokens_details.cached_tokens``: the prompt tokens the model server found
+in its prefix cache (vLLM reports it with ``--enable-prompt-tokens-details``; the details are null
+or absent otherwise). Any other detail, or a detail of the wrong type, is ignored rather than
+costing the token counts.
 """
 
 from __future__ import annotations
@@ -12,14 +17,32 @@ import msgspec
 
 
 class Usage(msgspec.Struct):
-    """Token counts from an OpenAI-style ``usage`` object."""
+    """Token counts from an OpenAI-style ``usage`` object; ``cached_tokens`` is
+    ``prompt_tokens_details.cached_tokens`` (None: not reported)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class _WireUsage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Decoded untyped: a server's odd details must not fail the whole usage (see _cached).
+    prompt_tokens_details: object = None
 
 
 class _UsageHolder(msgspec.Struct):
-    usage: Usage | None = None
+    usage: _WireUsage | None = None
+
+
+def _cached(details: object) -> int | None:
+    """``cached_tokens`` of a ``prompt_tokens_details`` object, when it is a count."""
+    if not isinstance(details, dict):
+        return None
+    cached = details.get("cached_tokens")
+    # bool is an int subclass; a JSON true is no count.
+    return cached if type(cached) is int and cached >= 0 else None
 
 
 _decode_usage = msgspec.json.Decoder(_UsageHolder).decode
@@ -111,9 +134,10 @@ class ResponseRewriter:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         if usage is not None:
-            self.usage = usage
+            self.usage = Usage(usage.prompt_tokens, usage.completion_tokens,
+                               _cached(usage.prompt_tokens_details))
 
     def _take_usage(self, usage: dict[str, object]) -> None:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
-            self.usage = Usage(prompt, completion)
+            self.usage = Usage(prompt, completion, _cached(usage.get("prompt_tokens_details")))

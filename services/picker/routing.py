@@ -127,6 +127,11 @@ class Routed(msgspec.Struct, frozen=True):
         return prefill_tokens(self.prompt_tokens, self.prefix_hits.get(pod, 0),
                               self.prefix_blocks, self.block_tokens)
 
+    def cached_on(self, pod: str) -> int:
+        """The prompt tokens the decision's prefix index expects ``pod`` to find cached (what
+        it need not compute), to compare with the ``cached_tokens`` the pod reports."""
+        return self.prompt_tokens - self.prefill_on(pod)
+
 
 class Rejected(msgspec.Struct, frozen=True):
     """Answer the client directly with ``status`` and the JSON error ``body``."""
