@@ -41,6 +41,24 @@ blocks stored without token ids (``no_tokens``) or with ids that are no 32-bit t
 medium than the GPU cache (``medium``: vLLM's CPU offloading announces the same hashes again for
 its own tier).
 
+Knowing when it is wrong: every message of ``lig kv-events`` carries ``stream_seq``, numbered
+without gaps per pod and rank. A message lost on the way (a gap in ``stream_seq``), a resync
+marker (the bridge lost vLLM batches), or a history that does not start at the stream's start
+marks the rank **incomplete** for ``recovery_s`` seconds from the last such cause:
+:meth:`PreciseIndex.incomplete_pods` lists the pods with an incomplete rank, and the router scores
+them from the approximate index as well (the better of the two counts). An engine restart (the
+bridge's restart marker: ``AllBlocksCleared`` without ``resync``) empties the rank for real, which
+makes it whole again at once.
+
+Becoming right again: a cleared rank's ``engine hash -> key`` map is kept (``former``, bounded by
+``max_blocks`` over all ranks) to look parents up, and only for that. vLLM's block hashes are
+content hashes (chained, salted per engine process), so a hash that was a block's stays that
+block's: blocks stored after a resync on top of a prefix cached before it are filed (counted as
+``recovered``) instead of skipped for an unknown parent. A restarted engine's new hashes never
+meet the old ones. A prefix cached before a resync and not stored again stays unknown until vLLM
+announces it: at its next hit in vLLM's full report mode, or when it is evicted and recomputed;
+the recovery window covers that time (docs/kv-events.md).
+
 Hard memory bound: at most ``max_blocks`` (rank, engine hash) entries; beyond it the oldest
 stored blocks of the rank holding the most are evicted (the engine's own eviction, announced by
 ``BlockRemoved``, normally keeps the index well under it). Speculative entries are bounded apart,
@@ -57,8 +75,12 @@ from itertools import islice, takewhile
 
 from scheduling.token_blocks import block_keys, root_key
 from shared.kv_blocks import KVBlockChanges
-from shared.kv_events import BlockRemoved, BlockStored
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+DEFAULT_RECOVERY_S = 60.0
+"""Seconds a rank counts as incomplete after a lost message or a resync: what vLLM needs to
+announce again most of what it holds (evictions and recomputation under load; a prefix hit at
+once in full report mode)."""
 DEFAULT_SPECULATIVE_TTL = 3.0
 """Seconds a routed request's blocks count as cached on its pod before events confirm them: a
 long prompt's prefill, behind a queue, takes about that long to show up as ``BlockStored``."""
@@ -68,6 +90,8 @@ long prompt's prefill, behind a queue, takes about that long to show up as ``Blo
 _HASH_MASK = (1 << 60) - 1
 _GPU = frozenset({None, "GPU", "gpu"})
 _MAX_BLOCK_SIZE = 4096  # tokens (what lig kv-events accepts; NATS input is checked again)
+_CLEARED = AllBlocksCleared()
+_NO_PODS: set[str] = set()
 _MAX_LORA_NAMES = 4096  # adapters remembered from events (a bound on what events can grow)
 # KV-cache group kinds that hold every block of a cached prefix (vLLM's KVCacheSpecKind): their
 # block size is the one prompts are cut by.
@@ -77,8 +101,8 @@ _PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attenti
 class PreciseStats:
     """What :meth:`PreciseIndex.apply` did, counted (read by the picker's metrics collector)."""
 
-    __slots__ = ("cleared", "evicted", "messages", "reannounced", "removed", "removed_unknown",
-                 "resyncs", "skipped", "stored")
+    __slots__ = ("cleared", "evicted", "gaps", "messages", "reannounced", "recovered",
+                 "removed", "removed_unknown", "resyncs", "skipped", "stored")
 
     def __init__(self) -> None:
         self.messages = 0  # KVBlockChanges applied
@@ -88,6 +112,8 @@ class PreciseStats:
         self.removed_unknown = 0  # BlockRemoved hashes the index did not hold (skipped blocks)
         self.cleared = 0  # ranks cleared (AllBlocksCleared, resync markers)
         self.resyncs = 0  # resync markers received
+        self.gaps = 0  # messages of lig kv-events lost on the way (gaps in stream_seq)
+        self.recovered = 0  # blocks whose parent was found in a cleared rank's former map
         self.evicted = 0  # blocks dropped to keep the bound
         self.skipped: Counter[str] = Counter()  # blocks not filed, by reason
 
@@ -122,7 +148,8 @@ class _Pod:
     """One pod: its ranks (each a cache per KV-cache group), the keys they hold, and the keys
     speculated on it."""
 
-    __slots__ = ("events", "extra", "keys", "name", "ranks", "speculative")
+    __slots__ = ("events", "extra", "former", "incomplete", "keys", "name", "ranks",
+                 "speculative", "stream_seqs")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -135,6 +162,12 @@ class _Pod:
         self.extra: dict[int, int] = {}
         # Speculated keys by generation (newest last): (generation number, keys).
         self.speculative: list[tuple[int, set[int]]] = []
+        # Per rank: the engine hash -> key map it held when last cleared (parents only).
+        self.former: dict[int, dict[int, int]] = {}
+        # Per rank: the next stream_seq expected from lig kv-events.
+        self.stream_seqs: dict[int, int] = {}
+        # Per rank: until when its state counts as incomplete (the clock's time).
+        self.incomplete: dict[int, float] = {}
 
     def hold(self, keys: list[int]) -> None:
         """One more holding of each of ``keys``."""
@@ -172,17 +205,22 @@ class PreciseIndex:
     ``max_blocks``: the hard bound on blocks kept (0 keeps none). ``speculative_ttl``: seconds a
     speculated block counts at least (at most 1.5 times that; 0: no speculation).
     ``max_speculative``: the bound on speculative entries (default ``max_blocks // 4``).
+    ``recovery_s``: seconds a rank stays incomplete after a gap or a resync.
     ``clock``: the time :meth:`match` judges expiry on when not given one (the benchmark's
     virtual clock).
     """
 
     def __init__(self, max_blocks: int, speculative_ttl: float = DEFAULT_SPECULATIVE_TTL, *,
                  max_speculative: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 recovery_s: float = DEFAULT_RECOVERY_S) -> None:
         if max_blocks < 0:
             raise ValueError(f"max_blocks must be >= 0, not {max_blocks}")
         if speculative_ttl < 0:
             raise ValueError(f"speculative_ttl must be >= 0, not {speculative_ttl}")
+        if recovery_s < 0:
+            raise ValueError(f"recovery_s must be >= 0, not {recovery_s}")
+        self.recovery_s = recovery_s
         self.max_blocks = max_blocks
         self.speculative_ttl = speculative_ttl
         self.max_speculative = max_blocks // 4 if max_speculative is None else max_speculative
@@ -194,6 +232,8 @@ class PreciseIndex:
         self._pods: dict[str, _Pod] = {}
         self._publishing: set[str] = set()  # pods some changes arrived from
         self._live = 0  # (rank, engine hash) entries held
+        self._former = 0  # entries of the former maps (parents only)
+        self._incomplete: dict[str, _Pod] = {}  # pods with an incomplete rank (maybe expired)
         self._speculated = 0  # speculative entries held
         self._roots: dict[str | None, int] = {None: root_key(None)}
         self.block_size: int | None = None
@@ -234,8 +274,21 @@ class PreciseIndex:
             groups = pod.ranks[changes.dp_rank] = {}
         stats = self.stats
         stats.messages += 1
+        dp_rank = changes.dp_rank
+        stream_seq = changes.stream_seq
+        if stream_seq >= 0:
+            expected = pod.stream_seqs.get(dp_rank)
+            if stream_seq != (0 if expected is None else expected):
+                # A message lost on the way, or a history that starts after the stream did.
+                stats.gaps += 1
+                self._mark_incomplete(pod, dp_rank)
+            pod.stream_seqs[dp_rank] = stream_seq + 1
         if changes.resync:
             stats.resyncs += 1
+            self._mark_incomplete(pod, dp_rank)
+        elif changes.source_seq < 0 and changes.ops[:1] == [_CLEARED]:
+            # The bridge's restart marker: the engine's cache is empty, and now fully known.
+            pod.incomplete.pop(dp_rank, None)
         for op in changes.ops:
             kind = type(op)
             if kind is BlockStored:
@@ -243,16 +296,17 @@ class PreciseIndex:
                 cache = groups.get(group)
                 if cache is None:
                     cache = groups[group] = _Rank()
-                self._store(pod, cache, groups, op)  # type: ignore[arg-type]
+                self._store(pod, cache, groups, op,  # type: ignore[arg-type]
+                            pod.former.get(dp_rank))
             elif kind is BlockRemoved:
                 self._remove(pod, groups.get(op.group_idx), op)  # type: ignore[union-attr, arg-type]
             else:  # AllBlocksCleared
-                groups = self._clear(pod, changes.dp_rank)
+                groups = self._clear(pod, dp_rank)
         if self._live > self.max_blocks:
             self._evict()
 
-    def _store(self, pod: _Pod, rank: _Rank, groups: dict[int, _Rank],
-               op: BlockStored) -> None:
+    def _store(self, pod: _Pod, rank: _Rank, groups: dict[int, _Rank], op: BlockStored,
+               former: dict[int, int] | None) -> None:
         hashes = op.block_hashes
         skipped = self.stats.skipped
         if op.medium not in _GPU:
@@ -271,6 +325,10 @@ class PreciseIndex:
             if found is None:  # another group of the rank may still hold it (sliding window)
                 found = next((other.blocks[masked_parent] for other in groups.values()
                               if masked_parent in other.blocks), None)
+            if found is None and former:  # held before a clear: the hash still names it
+                found = former.get(masked_parent)
+                if found is not None:
+                    self.stats.recovered += len(hashes)
             if found is None:
                 skipped["parent"] += len(hashes)
                 return
@@ -335,14 +393,60 @@ class PreciseIndex:
         self.stats.removed_unknown += len(op.block_hashes) - len(keys)
 
     def _clear(self, pod: _Pod, dp_rank: int) -> dict[int, _Rank]:
-        """Empty one rank of ``pod``, every group of it; returns its new (empty) groups."""
+        """Empty one rank of ``pod``, every group of it; returns its new (empty) groups. What
+        it held stays known as its ``former`` map, for parents only."""
+        former: dict[int, int] = {}
         for old in pod.ranks.get(dp_rank, {}).values():
             pod.release(list(old.blocks.values()))
             self._live -= len(old.blocks)
+            former.update(old.blocks)
+        if former:
+            self._former += len(former) - len(pod.former.get(dp_rank, ()))
+            pod.former[dp_rank] = former
+            self._bound_former(pod, dp_rank)
         self.stats.cleared += 1
         groups: dict[int, _Rank] = {}
         pod.ranks[dp_rank] = groups
         return groups
+
+    def _bound_former(self, pod: _Pod, dp_rank: int) -> None:
+        """Keep the former maps within ``max_blocks`` entries: the other ranks' go first, the
+        largest first; then the oldest hashes of this one."""
+        if self._former <= self.max_blocks:
+            return
+        others = sorted(((len(entry.former[rank]), entry, rank) for entry in self._pods.values()
+                         for rank in entry.former if (entry, rank) != (pod, dp_rank)),
+                        key=lambda item: item[0], reverse=True)
+        for size, entry, rank in others:
+            del entry.former[rank]
+            self._former -= size
+            if self._former <= self.max_blocks:
+                return
+        own = pod.former[dp_rank]
+        excess = len(own) - self.max_blocks
+        pod.former[dp_rank] = dict(islice(own.items(), excess, None))
+        self._former -= excess
+
+    def _mark_incomplete(self, pod: _Pod, dp_rank: int) -> None:
+        pod.incomplete[dp_rank] = self._clock() + self.recovery_s
+        self._incomplete[pod.name] = pod
+
+    def incomplete_pods(self, now: float | None = None) -> set[str]:
+        """The pods with a rank whose state is incomplete at ``now`` (the clock's time by
+        default): score them from the approximate index as well."""
+        if not self._incomplete:
+            return _NO_PODS
+        now = self._clock() if now is None else now
+        gone = []
+        for name, pod in self._incomplete.items():
+            for rank, until in list(pod.incomplete.items()):
+                if until <= now:
+                    del pod.incomplete[rank]
+            if not pod.incomplete:
+                gone.append(name)
+        for name in gone:
+            del self._incomplete[name]
+        return set(self._incomplete)
 
     def _evict(self) -> None:
         """Drop blocks until the bound holds: the oldest stored of the rank holding the most."""
@@ -439,6 +543,8 @@ class PreciseIndex:
         if entry is None:
             return
         self._publishing.discard(pod)
+        self._incomplete.pop(pod, None)
+        self._former -= sum(map(len, entry.former.values()))
         self._live -= sum(len(rank.blocks) for groups in entry.ranks.values()
                           for rank in groups.values())
         self._speculated -= sum(len(keys) for _, keys in entry.speculative)

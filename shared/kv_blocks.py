@@ -34,6 +34,10 @@ class KVBlockChanges(msgspec.Struct, frozen=True):
     """The data-parallel rank (0..65,535, as ``lig kv-events`` accepts them from vLLM)."""
     resync: bool = False
     schema: int = SCHEMA_VERSION
+    stream_seq: int = -1
+    """Numbers every message ``lig kv-events`` publishes for this pod and rank, markers
+    included, without gaps (continued across its restarts from its recording): a consumer that
+    sees one missing knows its state is incomplete. -1: a bridge that did not number them."""
 
 
 def encode(changes: KVBlockChanges) -> bytes:

@@ -15,7 +15,7 @@ from scheduling.token_blocks import block_keys, root_key
 from services.picker.kv_blocks_feed import KVBlocksSink
 from services.picker.routing import RequestFields
 from shared.kv_blocks import KVBlockChanges, encode
-from shared.kv_events import BlockStored
+from shared.kv_events import AllBlocksCleared, BlockStored
 from shared.schemas import Criticality
 from tests.test_picker_prompt_routing import SYSTEM, chat, prefix_fleet, routed
 from tests.test_picker_routing import POOL, Fleet
@@ -230,3 +230,31 @@ def test_changes_of_an_impossible_rank_are_undecodable() -> None:
         POOL, "pod-0", "127.0.0.1:8001", 0, 0.0, [], dp_rank=(1 << 16) - 1)))
     assert skipped == ["undecodable"] * 3
     assert fleet.router.precise.stats.messages == 1
+
+
+def test_a_pod_with_incomplete_events_gets_the_better_of_both_indexes() -> None:
+    """Once the bridge resynced pod-0 (its events lost), its precise state is partial: the
+    approximate index's belief counts for it too, until the recovery time has passed."""
+    fleet = prefix_fleet(2)
+    fleet.router.tokenizer = SimTokenizer()
+    ids = chat_ids(SYSTEM, "q")
+    store(fleet, "pod-0", ids, 1)
+    store(fleet, "pod-1", chat_ids("unrelated " * 40, "x"), 5000)
+    messages = messages_of(SYSTEM, "q")
+    hashes = prefix_hashes(chat_prompt(messages).data, "chat")
+    fleet.router.prefixes.record("pod-0", hashes)
+
+    def hits() -> dict[str, int]:
+        request, _, _, _ = fleet.router._request(
+            b"", "chat", "chat", Criticality.STANDARD,
+            RequestFields(model="chat", messages=messages))
+        return dict(request.prefix_hits)
+
+    full = hits()["pod-0"]
+    assert full == len(ids) // BS
+    fleet.router.precise.apply(KVBlockChanges(
+        POOL, "pod-0", fleet.pods.registered_address("pod-0") or "", -1, 0.0,
+        [AllBlocksCleared()], resync=True))
+    assert fleet.router.precise.incomplete_pods() == {"pod-0"}
+    # Its events were cleared; the routing history still says it holds the prompt.
+    assert hits().get("pod-0") == full

@@ -270,3 +270,78 @@ def test_the_simulators_event_stream_rebuilds_its_cache_with_eviction() -> None:
     assert isinstance(last, tuple)
     keys = block_keys(last, 16, root_key(None))
     assert index.match(keys) == {"pod": len(keys)}
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def numbered(pod: str, stream_seq: int, *ops: object, resync: bool = False,
+             source_seq: int = 0) -> KVBlockChanges:
+    return KVBlockChanges("pool", pod, "10.0.0.1:8000", source_seq, 0.0,
+                          list(ops), resync=resync, stream_seq=stream_seq)  # type: ignore[arg-type]
+
+
+def test_a_lost_message_makes_the_pod_incomplete_for_the_recovery_time() -> None:
+    clock = Clock()
+    index = PreciseIndex(100, clock=clock, recovery_s=60.0)
+    index.apply(numbered("a", 0, stored((11,), None, PROMPT[:BS])))
+    index.apply(numbered("a", 1, stored((12,), 11, PROMPT[BS:2 * BS])))
+    assert index.incomplete_pods() == set() and index.stats.gaps == 0
+    index.apply(numbered("a", 3, stored((13,), 12, PROMPT[2 * BS:3 * BS])))  # 2 was lost
+    assert index.incomplete_pods() == {"a"} and index.stats.gaps == 1
+    clock.now += 59.0
+    index.apply(numbered("a", 4, BlockRemoved((13,))))
+    assert index.incomplete_pods() == {"a"}  # in order again: the window still runs
+    clock.now += 1.0
+    assert index.incomplete_pods() == set()
+    # Messages of an older bridge carry no numbers: nothing to judge.
+    index.apply(changes("b", stored((21,), None, PROMPT[:BS])))
+    assert index.incomplete_pods() == set()
+
+
+def test_a_history_that_starts_late_and_a_resync_make_it_incomplete_a_restart_ends_it() -> None:
+    clock = Clock()
+    index = PreciseIndex(100, clock=clock)
+    index.apply(numbered("a", 7, stored((11,), None, PROMPT[:BS])))  # the first 7 are unknown
+    assert index.incomplete_pods() == {"a"}
+    index.apply(numbered("b", 0, stored((21,), None, PROMPT[:BS])))
+    index.apply(numbered("b", 1, AllBlocksCleared(), resync=True, source_seq=-1))
+    assert index.incomplete_pods() == {"a", "b"} and index.stats.resyncs == 1
+    # The bridge's restart marker: the engine's cache is empty, hence fully known.
+    index.apply(numbered("b", 2, AllBlocksCleared(), source_seq=-1))
+    assert index.incomplete_pods() == {"a"}
+
+
+def test_after_a_resync_blocks_built_on_a_prefix_from_before_it_are_recovered() -> None:
+    """vLLM's hashes name content: a block stored after the resync on top of a block stored
+    before it is filed, not skipped for an unknown parent."""
+    index = PreciseIndex(100)
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))
+    index.apply(changes("a", AllBlocksCleared(), resync=True))
+    assert index.match(KEYS) == {}
+    index.apply(changes("a", stored((13, 14), 12, PROMPT[2 * BS:4 * BS])))
+    assert index.stats.recovered == 2 and not index.stats.skipped
+    # Filed under the right keys: the chain's blocks 3 and 4 (the pod holds no leading run yet).
+    assert index.match(KEYS) == {}
+    index.apply(changes("a", stored((11, 12), None, PROMPT[:2 * BS])))  # the prefix again
+    assert index.match(KEYS) == {"a": 4}
+    assert len(index) == 4
+
+
+def test_the_former_maps_stay_within_the_bound() -> None:
+    index = PreciseIndex(6)
+    for pod in "abc":
+        index.apply(changes(pod, stored((1, 2, 3, 4), None, PROMPT[:4 * BS])))
+        index.apply(changes(pod, AllBlocksCleared(), resync=True))
+    assert sum(len(former) for entry in index._pods.values()
+               for former in entry.former.values()) <= 6
+    index.forget("c")
+    assert index._former == sum(len(former) for entry in index._pods.values()
+                                for former in entry.former.values())

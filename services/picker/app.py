@@ -376,6 +376,11 @@ class _NatsLink:
         """Subscribe to the pods' KV block changes (a failure is logged: the precise index then
         learns nothing, the approximate one still serves)."""
         assert self.kv_blocks_sink is not None
+        if self._kv_history and not pools and self.watcher is not None:
+            # Serving every pool, the pools' routers come from the registry: the recording's
+            # changes read before it would be skipped as of a pool not served (and what builds
+            # on them, for unknown parents). So the recording is read once the registry is.
+            await self.watcher.synced.wait()
         try:
             await subscribe_kv_blocks(client, self._subjects, self.kv_blocks_sink, pools,
                                       history=self._kv_history)

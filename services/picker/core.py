@@ -77,7 +77,8 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                         fallbacks=settings.fallbacks,
                         prefix_entries=settings.prefix_index_entries,
                         precise_blocks=settings.precise_blocks,
-                        speculative_ttl=settings.speculative_ttl, clock=clock)
+                        speculative_ttl=settings.speculative_ttl, clock=clock,
+                        precise_recovery_s=settings.precise_recovery_s)
         # None: the router logs once, when the pool's pods publish KV events, that it uses
         # the approximate index.
         router.tokenizer = tokenizers.get(pool)

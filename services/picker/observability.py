@@ -232,7 +232,8 @@ class PreciseIndexCollector(Collector):
     ``..._messages`` applied, ``..._blocks_stored``, ``..._blocks_reannounced`` (a block
     announced again as it was: vLLM's full report mode), ``..._blocks_removed``,
     ``..._blocks_evicted`` (the bound), ``..._blocks_skipped{reason}``, ``..._clears`` (ranks
-    cleared) and ``..._resyncs``. ``indexes`` gives each served pool's index (set once the
+    cleared), ``..._resyncs``, ``..._gaps`` (messages lost on the way), ``..._blocks_recovered``
+    and the gauge ``..._incomplete_pods``. ``indexes`` gives each served pool's index (set once the
     gateway exists). Served by a single-process picker (``--workers 1``)."""
 
     def __init__(self) -> None:
@@ -246,7 +247,10 @@ class PreciseIndexCollector(Collector):
                       ("blocks", "Blocks the precise prefix index holds"),
                       ("speculative_blocks", "Speculative blocks the precise prefix index "
                                              "holds"),
-                      ("event_pods", "Pods whose KV-cache events reached the precise index"))}
+                      ("event_pods", "Pods whose KV-cache events reached the precise index"),
+                      ("incomplete_pods", "Pods whose precise index state is incomplete (KV "
+                                          "block changes lost, a resync): also scored from the "
+                                          "approximate index"))}
         counters = {name: CounterMetricFamily(f"{prefix}_{name}", text, labels=["pool"])
                     for name, text in (
                         ("messages", "KV block-change messages applied"),
@@ -256,20 +260,26 @@ class PreciseIndexCollector(Collector):
                         ("blocks_removed", "Blocks removed by BlockRemoved events"),
                         ("blocks_evicted", "Blocks dropped to keep the index's bound"),
                         ("clears", "Ranks cleared (AllBlocksCleared, resync markers)"),
-                        ("resyncs", "Resync markers received"))}
+                        ("resyncs", "Resync markers received"),
+                        ("gaps", "KV block-change messages lost on the way (gaps in lig "
+                                 "kv-events' numbering)"),
+                        ("blocks_recovered", "Blocks filed after a clear because their parent "
+                                             "was known from before it"))}
         skipped = CounterMetricFamily(f"{prefix}_blocks_skipped", "Blocks of BlockStored "
                                       "events not filed, by reason", labels=["pool", "reason"])
         for pool, index in list(self.indexes().items()):
             stats = index.stats
             for name, value in (("blocks", len(index)),
                                 ("speculative_blocks", index.speculative_blocks),
-                                ("event_pods", len(index.event_pods()))):
+                                ("event_pods", len(index.event_pods())),
+                                ("incomplete_pods", len(index.incomplete_pods()))):
                 gauges[name].add_metric([pool], value)
             for name, value in (("messages", stats.messages), ("blocks_stored", stats.stored),
                                 ("blocks_reannounced", stats.reannounced),
                                 ("blocks_removed", stats.removed),
                                 ("blocks_evicted", stats.evicted), ("clears", stats.cleared),
-                                ("resyncs", stats.resyncs)):
+                                ("resyncs", stats.resyncs), ("gaps", stats.gaps),
+                                ("blocks_recovered", stats.recovered)):
                 counters[name].add_metric([pool], value)
             for reason, count in stats.skipped.items():
                 skipped.add_metric([pool, reason], count)

@@ -17,7 +17,7 @@ from types import MappingProxyType
 import msgspec
 
 from scheduling import PolicyConfigError, build_policy
-from scheduling.precise_index import DEFAULT_SPECULATIVE_TTL, PreciseIndex
+from scheduling.precise_index import DEFAULT_RECOVERY_S, DEFAULT_SPECULATIVE_TTL, PreciseIndex
 from scheduling.prefix_hash import prefix_hashes
 from scheduling.prefix_index import PrefixIndex
 from scheduling.prompt import (
@@ -250,12 +250,14 @@ class Router:
                  prefix_entries: int = DEFAULT_PREFIX_ENTRIES,
                  precise_blocks: int = DEFAULT_PRECISE_BLOCKS,
                  speculative_ttl: float = DEFAULT_SPECULATIVE_TTL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 precise_recovery_s: float = DEFAULT_RECOVERY_S) -> None:
         self.pool_name = pool
         self.fallbacks = fallbacks
         self.pods = pods
         self.prefixes = PrefixIndex(prefix_entries)
-        self.precise = PreciseIndex(precise_blocks, speculative_ttl, clock=clock)
+        self.precise = PreciseIndex(precise_blocks, speculative_ttl, clock=clock,
+                                    recovery_s=precise_recovery_s)
         self.tokenizer: PromptTokenizer | None = None
         """The pool's tokenizer (set by whoever configures tokenizers; None: approximate)."""
         self._clock = clock
@@ -415,7 +417,8 @@ class Router:
         some pods publish KV events: the request's blocks are then token blocks, the hits of the
         pods with events come from the precise index, and those of the other pods from the
         approximate index, rescaled to token blocks (a fraction of the prompt either way, which
-        is what the prefix scorer compares)."""
+        is what the prefix scorer compares). A pod whose precise state is incomplete gets the
+        better of its precise and approximate counts."""
         if fields is None:
             read = read_request(body)
             fields = read if isinstance(read, RequestFields) else RequestFields()
@@ -430,11 +433,13 @@ class Router:
         precise = self.precise
         publishing = precise.event_pods()
         merged = {pod: depth for pod, depth in precise.match(keys).items() if pod in publishing}
+        # Pods whose precise state is incomplete (events lost, a resync) get the better of both.
+        incomplete = precise.incomplete_pods()
         if hits:
             scale = len(keys) / len(hashes)
             for pod, depth in hits.items():
-                if pod not in publishing:
-                    merged[pod] = min(len(keys), int(depth * scale))
+                if pod not in publishing or pod in incomplete:
+                    merged[pod] = max(merged.get(pod, 0), min(len(keys), int(depth * scale)))
         return (SchedulingRequest(requested, target, criticality, digest.tokens,
                                   fields.completion_limit(), tuple(keys), merged),
                 hashes, keys, precise.block_size or BLOCK_TOKENS)

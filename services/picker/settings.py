@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from scheduling.precise_index import DEFAULT_SPECULATIVE_TTL
+from scheduling.precise_index import DEFAULT_RECOVERY_S, DEFAULT_SPECULATIVE_TTL
 from scheduling.prompt_tokenizers import parse_pool_specs
 from services.picker.batch_sender import DEFAULT_DELAY
 from services.picker.peer_decisions import DEFAULT_REQUEST_TTL
@@ -105,6 +105,12 @@ class PickerSettings(msgspec.Struct, frozen=True):
         "before the pod's events confirm them (they count up to 1.5 times that), so that a burst "
         "of one prefix does not miss meanwhile; 0 disables", metavar="SECONDS", ge=0)] \
         = DEFAULT_SPECULATIVE_TTL
+    precise_recovery_s: Annotated[float, option(
+        "seconds a pod's precise index state counts as incomplete after KV block changes were "
+        "lost on the way (a gap in lig kv-events' numbering) or the bridge resynced the pod: "
+        "meanwhile the pod is also scored from the approximate index (the better count wins); "
+        "an engine restart ends it at once", flag="--precise-recovery", metavar="SECONDS",
+        ge=0)] = DEFAULT_RECOVERY_S
     tokenizers: Annotated[list[str], option(
         "POOL=SPEC: the tokenizer of a pool's model, so that the precise prefix index (fed by "
         "the pods' KV-cache events) can look requests up by their token ids; repeat for several "
