@@ -222,12 +222,20 @@ async def test_a_picker_started_after_the_pods_reads_the_blocks_they_hold(
             held = len(announced.index)
             assert held > 0
             later = picker_process(POOL, nats_server.url, extra_args=("--precise-blocks", "1000"))
+            # Serving every pool (as lig up, compose and Kubernetes run pickers), its pools come
+            # from the registry: the recording must still be read whole.
+            every_pool = picker_process("", nats_server.url,
+                                        extra_args=("--precise-blocks", "1000"))
             live_only = picker_process(POOL, nats_server.url,
                                        extra_args=("--precise-blocks", "1000",
                                                    "--no-precise-history"))
             blocks = f'lig_picker_precise_blocks{{pool="{POOL}"}}'
             await eventually(lambda: metric(later, blocks) == held, within=20,
                              what=f"the recorded blocks in the later picker\n{later.log()}")
+            await eventually(lambda: metric(every_pool, blocks) == held, within=20,
+                             what=f"the recorded blocks, every pool served\n{every_pool.log()}")
+            skipped = 'lig_picker_kv_blocks_skipped_total{reason="pool"}'
+            assert not metric(every_pool, skipped), every_pool.log()
             await garbage_counted(nc, live_only, 1.0)  # it is subscribed, and up to date
             assert metric(live_only, blocks) == 0.0
             assert "reading LIG_KVBLOCKS from its start" in later.log()

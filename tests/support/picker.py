@@ -27,7 +27,8 @@ from tests.support.processes import die_with_parent
 
 
 class PickerProcess:
-    """One picker subprocess; ``endpoint`` is what Envoy's picker cluster needs."""
+    """One picker subprocess; ``endpoint`` is what Envoy's picker cluster needs. ``pool`` ""
+    serves every pool of the registry (no ``--pool``, as ``lig up`` runs pickers)."""
 
     def __init__(self, pool: str, nats_url: str, workdir: Path, stale_after: float = 1.0,
                  extra_args: tuple[str, ...] = (), log_level: str = "INFO",
@@ -40,7 +41,8 @@ class PickerProcess:
         self.metrics_port = free_port()
         self.log_path = workdir / f"picker-{self.grpc_port}.log"
         self.command = [
-            sys.executable, "-m", "lig.cli", "picker", "--pool", pool, "--host", "127.0.0.1",
+            sys.executable, "-m", "lig.cli", "picker", *(("--pool", pool) if pool else ()),
+            "--host", "127.0.0.1",
             "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
             "--metrics-port", str(self.metrics_port), "--nats-url", nats_url,
             "--stale-after", str(stale_after), "--log-level", log_level, *extra_args,
