@@ -12,7 +12,8 @@ hybrid model's events (a full-attention and a sliding-window group, adapters nam
 only, removals of one group, a cache reset):
 
 1. batches published before the bridge subscribes (its first replay must bring them),
-2. batches while it follows,
+2. batches while it follows, three of them lost on the PUB socket (vLLM's replay buffer keeps
+   them: the gap must be replayed),
 3. batches while the bridge is stopped, then restarted (its replay from 0 must bring them),
 
 and counts the events relayed on NATS against those published, with the bridge's resync and
@@ -183,8 +184,14 @@ async def check(vllm: types.ModuleType, nats: NatsServer, hashes: str, rank: int
         await eventually(lambda: bridge.counter("lig_kv_events_pods_followed") == 1, within=30,
                          what=f"the pod followed\n{bridge.output()}")
         await all_relayed("before subscribing")
-        publish(20)  # 2. while it follows
-        await all_relayed("following")
+        publish(10)  # 2. while it follows,
+        vllm_kv_events.drop_next(publisher, 3)  # three lost on the way, the next shows the gap
+        publish(10)
+        await all_relayed("following, with a gap")
+        # Read before the restart, which starts the counters again.
+        gaps = bridge.counter("lig_kv_events_batches_total", '{outcome="gap"}')
+        unreadable = '{outcome="replay_malformed"}'
+        malformed = bridge.counter("lig_kv_events_batches_total", unreadable)
         bridge.stop()
         publish(10)  # 3. while the bridge is down
         await asyncio.sleep(0.5)
@@ -197,16 +204,16 @@ async def check(vllm: types.ModuleType, nats: NatsServer, hashes: str, rank: int
         # The restarted bridge replays from 0: everything once more, the last 10 batches new.
         again = relayed[before:]
         want = expected_ops(vllm, sent)
-        malformed = bridge.counter("lig_kv_events_batches_total", '{outcome="replay_malformed"}')
+        malformed += bridge.counter("lig_kv_events_batches_total", unreadable)
         first_pass = relayed[:before]
         ok = first_pass == want[:len(first_pass)] and again == want and resyncs == 0 \
-            and malformed == 0
+            and malformed == 0 and gaps >= 1
         sent_events = sum(len(batch.events) for batch in sent)
         stored = sum(isinstance(op, BlockStored) for op in want)
         print(f"{hashes:5} hashes, rank {rank}: vLLM published {len(sent)} batches, "
               f"{sent_events} events ({stored} BlockStored); relayed {len(first_pass)} + "
-              f"{len(again)} after the bridge's restart (expected {len(want)}); resyncs "
-              f"{resyncs}; unreadable replay replies {malformed:g}: "
+              f"{len(again)} after the bridge's restart (expected {len(want)}); gaps replayed "
+              f"{gaps:g}; resyncs {resyncs}; unreadable replay replies {malformed:g}: "
               f"{'OK' if ok else 'MISMATCH'}")
         return ok
     finally:

@@ -7,7 +7,9 @@ network helpers, the ``ExternalBlockHash`` alias): the classes that encode the e
 (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``) and the publisher
 (``ZmqEventPublisher``: PUB socket, replay ROUTER, sequence numbers, end marker) are vLLM's, run
 unchanged. The one thing changed is where the publisher binds: vLLM binds wildcard endpoints only
-(``tcp://*:5557``), and tests stay on loopback, so :func:`publisher` binds ``127.0.0.1``.
+(``tcp://*:5557``), and tests stay on loopback, so :func:`publisher` binds ``127.0.0.1``. For a
+lost message, :func:`drop_next` puts a lossy stand-in in front of its PUB socket: the batches
+are numbered and buffered for replay by vLLM's code as always, only not sent.
 
 Used by ``bench/vllm_kv_events_check.py`` (vLLM's publisher against ``lig kv-events``) and to
 regenerate ``tests/fixtures/vllm_kv_events/`` (the bytes vLLM sends, which the suite checks
@@ -90,6 +92,34 @@ def load(wheel: Path) -> types.ModuleType:
             else:
                 sys.modules[name] = previous
     return module
+
+
+class _LossyPub:
+    """vLLM's PUB socket, losing the next ``drop`` messages (what a subscriber past its
+    high-water mark, or on a flaky link, sees)."""
+
+    def __init__(self, socket: Any, drop: int) -> None:
+        self.socket = socket
+        self.drop = drop
+
+    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.drop > 0:
+            self.drop -= 1
+            return None
+        return self.socket.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.socket, name)
+
+
+def drop_next(publisher: Any, count: int) -> None:
+    """The next ``count`` batches ``publisher`` sends are lost on its PUB socket (its replay
+    buffer keeps them)."""
+    pub = publisher._pub
+    if isinstance(pub, _LossyPub):
+        pub.drop += count
+    else:
+        publisher._pub = _LossyPub(pub, count)
 
 
 def publisher(module: types.ModuleType, port: int, replay_port: int | None,
