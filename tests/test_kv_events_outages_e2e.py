@@ -11,53 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client
-from nats.js.errors import NotFoundError
 
-from shared import kv_blocks
 from shared.kv_blocks import KVBlockChanges
 from shared.kv_events import AllBlocksCleared
+from tests.support.kv_events import EventPods, counter, gauge, recorded, register, until
 from tests.support.nats_server import NatsServer
-from tests.test_kv_events_e2e import (
-    SUBJECTS,
-    EventPods,
-    counter,
-    followed,
-    gauge,
-    kv_events_process,
-    output,
-    register,
-)
+from tests.test_kv_events_e2e import followed, kv_events_process, output
 
 # The recording's stream lives in JetStream's file store: it survives the NATS restarts.
-
-
-async def recorded(nc: Client) -> list[KVBlockChanges]:
-    """Every message of the recording, in order (empty while it cannot be read)."""
-    js = nc.jetstream(timeout=2)
-    try:
-        state = (await js.stream_info(SUBJECTS.kv_blocks_stream)).state
-    except Exception:  # NATS on its way back, or no stream yet: nothing recorded yet
-        return []
-    out = []
-    for seq in range(state.first_seq, state.last_seq + 1):
-        try:
-            message = await js.get_msg(SUBJECTS.kv_blocks_stream, seq)
-        except NotFoundError:
-            continue
-        out.append(kv_blocks.decode(message.data or b""))
-    return out
-
-
-async def until(condition: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
-    """Poll an async ``condition`` (``eventually`` for NATS reads)."""
-    deadline = time.monotonic() + within
-    while not await condition():
-        assert time.monotonic() < deadline, f"not reached within {within}s: {what}"
-        await asyncio.sleep(0.05)
 
 
 def batches_of(changes: list[KVBlockChanges], pod: str) -> list[int]:
