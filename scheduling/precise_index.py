@@ -278,7 +278,9 @@ class PreciseIndex:
         stream_seq = changes.stream_seq
         if stream_seq >= 0:
             expected = pod.stream_seqs.get(dp_rank)
-            if stream_seq != (0 if expected is None else expected):
+            # 0 starts (or starts over) a stream: a bridge without a recording to continue
+            # from replays the pod from its start, or sends a resync marker.
+            if stream_seq not in (0, expected):
                 # A message lost on the way, or a history that starts after the stream did.
                 stats.gaps += 1
                 self._mark_incomplete(pod, dp_rank)

@@ -5,6 +5,15 @@ events in order, with every hash a uint64 (see :mod:`shared.kv_events`), encoded
 positional arrays. A message with ``resync`` set says the consumer lost events it could not
 replay: the subscriber must drop what it knows of the pod (``ops`` starts with
 ``AllBlocksCleared``) and treat the pod's cache as partly unknown until it refills.
+
+``stream_seq`` numbers every message the bridge publishes for one pod's rank, markers included:
+0, 1, 2, ... with no hole, continued across bridge restarts and replica handovers from the
+bridge's own recording (``<PREFIX>_KVBLOCKS``). A consumer that sees a number skipped lost a
+message (a publish NATS never delivered, a subscription that fell behind) and knows its state of
+that rank is incomplete (how pickers then score the pod: docs/kv-events.md). 0 after a higher
+number means the numbering started over (a bridge without a recording to continue from,
+which then republishes the pod's stream from its start or sends a resync marker). -1: a message
+of a bridge that did not number them (older versions).
 """
 
 from __future__ import annotations
@@ -35,9 +44,16 @@ class KVBlockChanges(msgspec.Struct, frozen=True):
     resync: bool = False
     schema: int = SCHEMA_VERSION
     stream_seq: int = -1
-    """Numbers every message ``lig kv-events`` publishes for this pod and rank, markers
-    included, without gaps (continued across its restarts from its recording): a consumer that
-    sees one missing knows its state is incomplete. -1: a bridge that did not number them."""
+    """The bridge's own contiguous number of this message for its pod and rank (see the
+    module's docstring); -1 when not numbered. Last, with a default: older messages decode."""
+
+
+def marker(pool: str, pod: str, address: str, dp_rank: int, ts: float, *,
+           resync: bool) -> KVBlockChanges:
+    """A rank's cache is empty (``AllBlocksCleared``, ``source_seq`` -1); with ``resync``,
+    changes were lost too, so it is partly unknown until it refills."""
+    return KVBlockChanges(pool, pod, address, -1, ts, [AllBlocksCleared()], dp_rank,
+                          resync=resync)
 
 
 def encode(changes: KVBlockChanges) -> bytes:

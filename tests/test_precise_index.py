@@ -345,3 +345,14 @@ def test_the_former_maps_stay_within_the_bound() -> None:
     index.forget("c")
     assert index._former == sum(len(former) for entry in index._pods.values()
                                 for former in entry.former.values())
+
+
+def test_a_numbering_that_starts_over_is_no_gap() -> None:
+    """A bridge with no recording to continue from numbers from 0 again (and replays the pod
+    from its start, or sends a resync marker, which is judged on its own)."""
+    index = PreciseIndex(100, clock=Clock())
+    for number in range(3):
+        index.apply(numbered("a", number, stored((11 + number,), None, PROMPT[:BS])))
+    index.apply(numbered("a", 0, stored((11,), None, PROMPT[:BS])))
+    index.apply(numbered("a", 1, stored((12,), None, PROMPT[:BS])))
+    assert index.incomplete_pods() == set() and index.stats.gaps == 0

@@ -25,7 +25,9 @@ from nats.aio.client import Client
 from services.collector.membership import HeartbeatSubjects, Membership, default_member_id
 from services.kvevents.observability import KVEventsMetrics
 from services.kvevents.pod_stream import PodEndpoints, PodStream, StreamSettings
-from services.kvevents.recording import stream_config
+from services.kvevents.publisher import BlockPublisher
+from services.kvevents.recording import last_recorded, stream_config
+from services.kvevents.sequencing import resume_point
 from services.kvevents.targets import (
     PortSpec,
     Share,
@@ -37,7 +39,6 @@ from services.kvevents.targets import (
 from shared import ports
 from shared.host.lifespan import Lifespan
 from shared.host.settings import add_flags, from_args, option
-from shared.kv_blocks import KVBlockChanges, encode
 from shared.kv_events import KVEventDecoder, Limits
 from shared.logs import LogLevel, setup_logging
 from shared.nats_connection import NatsSettings, connection
@@ -95,6 +96,12 @@ class KVEventsSettings(msgspec.Struct, frozen=True):
         flag="--record-max-age", ge=0)] = 3600.0
     record_max_bytes: Annotated[int, option(
         "bytes the LIG_KVBLOCKS stream keeps at most (oldest dropped)", ge=1)] = 1 << 30
+    buffer_messages: Annotated[int, option(
+        "block-change messages held while NATS does not take them, published in order once "
+        "it does; beyond, the pod with the most held bytes gets one resync marker instead",
+        ge=1)] = 50_000
+    buffer_bytes: Annotated[int, option(
+        "encoded bytes of the block changes held so, at most", ge=1)] = 64 << 20
     host: Annotated[str, option("address the metrics endpoint listens on")] = "0.0.0.0"
     metrics_port: Annotated[int, option(
         "port of this service's Prometheus metrics; 0 disables", ge=0)] = ports.KV_EVENTS_METRICS
@@ -175,6 +182,8 @@ class KVEventsService:
         self.decoder = KVEventDecoder(settings.limits,
                                       lambda reason: self.metrics.skipped.labels(reason).inc(),
                                       settings.lora_names)
+        self.publisher = BlockPublisher(self.subjects, self.metrics, settings.buffer_messages,
+                                        settings.buffer_bytes)
         self.streams: dict[str, tuple[PodEndpoints, PodStream, asyncio.Task[None]]] = {}
         self.metrics.followed.set_function(
             lambda: sum(stream.following for _, stream, _ in self.streams.values()))
@@ -207,6 +216,7 @@ class KVEventsService:
     def _start(self, nc: Client, stop: asyncio.Event, life: Lifespan) -> None:
         settings = self.settings
         self._nc, self._stop = nc, stop
+        self.publisher.attach(nc)
         warn_about_replication(nc, settings.nats.replicas, "kv-events")
         self._watcher = RegistryWatcher(
             nc.jetstream(), self.subjects.registry_bucket, self.view, on_change=self.reconcile,
@@ -259,8 +269,8 @@ class KVEventsService:
             self._background(self._stop_tasks([self.streams.pop(key)[2] for key in gone]))
         for key, pod in wanted.items():
             if key not in self.streams:
-                stream = PodStream(pod, self._ctx, self.decoder, self._publish, settings.stream,
-                                   self._count)
+                stream = PodStream(pod, self._ctx, self.decoder, self.publisher.publish,
+                                   settings.stream, self._count)
                 task = asyncio.create_task(self._run_stream(stream), name=f"kv-events {key}")
                 self.streams[key] = (pod, stream, task)
         if len(self.streams) != before:
@@ -271,7 +281,9 @@ class KVEventsService:
         self.metrics.batches.labels(outcome).inc(n)
 
     async def _run_stream(self, stream: PodStream) -> None:
-        """One pod's stream; a bug in it is logged and the stream restarted, others go on."""
+        """One pod's stream, resumed from the recording; a bug in it is logged and the stream
+        restarted (where it stood), others go on."""
+        await self._resume(stream)
         while True:
             try:
                 await stream.run()
@@ -294,21 +306,25 @@ class KVEventsService:
         if tasks:
             await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
 
-    async def _publish(self, changes: KVBlockChanges) -> None:
-        nc = self._nc
-        if changes.resync:
-            self.metrics.resyncs.inc()
-        if nc is None or not nc.is_connected:
-            self.metrics.publish_errors.inc()
+    async def _resume(self, stream: PodStream) -> None:
+        """Continue the pod-rank's numbering and vLLM stream where the last message recorded
+        on its subject left them (this bridge before a restart, or the replica that followed
+        the pod before); without a recording, or with nothing of this rank in it, the stream
+        starts from 0 as it always did."""
+        if self._nc is None or self.settings.record_max_age_s <= 0:
             return
-        try:
-            await nc.publish(self.subjects.kv_blocks(changes.pool, changes.pod), encode(changes))
-        except Exception as exc:  # a failed publish is counted, never fatal
-            self.metrics.publish_errors.inc()
-            log.warning("cannot publish block changes of %s/%s: %s", changes.pool, changes.pod,
-                        exc)
+        pod = stream.pod
+        recorded = await last_recorded(self._nc.jetstream(), self.subjects.kv_blocks_stream,
+                                       self.subjects.kv_blocks(pod.pool, pod.pod))
+        point = resume_point(recorded, pod.address, pod.dp_rank)
+        if point is None:
             return
-        self.metrics.published.inc()
+        self.publisher.resume((pod.pool, pod.pod, pod.dp_rank), point.next_stream_seq)
+        if point.last is not None:
+            stream.resume(point.last)
+        log.info("%s/%s rank %d: resuming from the recording: message %d, after vLLM batch %s",
+                 pod.pool, pod.pod, pod.dp_rank, point.next_stream_seq,
+                 "none (from 0)" if point.last is None else point.last[0])
 
     def _start_recording(self, nc: Client) -> None:
         settings = self.settings
@@ -332,6 +348,8 @@ class KVEventsService:
             self.membership.disconnected()
 
     async def _reconnected(self) -> None:
+        # What NATS could not take while away goes out first, in order, before new changes.
+        self._background(self.publisher.drain())
         if self._watcher is not None:
             self._watcher.resync()
         if self.membership is not None:

@@ -24,7 +24,17 @@ class KVEventsMetrics:
         self.resyncs = Counter("lig_kv_events_resyncs", "Resync markers published: events lost "
                                "beyond what replay could recover", registry=r)
         self.publish_errors = Counter("lig_kv_events_publish_errors", "Block-change messages "
-                                      "that NATS did not take", registry=r)
+                                      "that NATS did not take at once (held in the buffer, "
+                                      "published once it is back)", registry=r)
+        self.buffered = Gauge("lig_kv_events_buffered_messages", "Block-change messages held "
+                              "until NATS takes them (markers included)", registry=r)
+        self.buffered_bytes = Gauge("lig_kv_events_buffered_bytes", "Encoded bytes of the "
+                                    "block-change messages held", registry=r)
+        self.buffer_overflows = Counter("lig_kv_events_buffer_overflows", "Pod ranks whose "
+                                        "held changes were replaced by a resync marker (the "
+                                        "buffer's bound was reached)", registry=r)
+        self.buffer_dropped = Counter("lig_kv_events_buffer_dropped", "Held block-change "
+                                      "messages replaced by resync markers", registry=r)
         self.pods = Gauge(PODS_GAUGE, "Pods subscribed to", registry=r)
         self.followed = Gauge(FOLLOWED_GAUGE, "Pods whose events are followed: the events "
                               "connection is up and its replay done", registry=r)

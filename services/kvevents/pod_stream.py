@@ -2,8 +2,9 @@
 
 Each pod has its own SUB socket and replay DEALER socket, in its own task, so a pod that floods,
 stalls or sends garbage costs only its own stream. On start (and after an engine restart) the
-stream asks the replay socket for everything from sequence 0, so what the pod cached before we
-subscribed is known too; when the replay cannot cover what was lost, it publishes a resync
+stream asks the replay socket for everything from sequence 0 (or, resuming from the bridge's
+recording, from the last batch published), so what the pod cached before we subscribed is known
+too; when the replay cannot cover what was lost, it publishes a resync
 marker (all cleared, state unknown) and carries on from what it has. Replays start at the last
 batch applied, which tells the same engine from a restarted one, and every reconnection of the
 SUB socket runs one: a restarted engine whose first batches were lost is still seen.
@@ -27,8 +28,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.kvevents.sequencing import SequenceTracker, Verdict
-from shared.kv_blocks import KVBlockChanges
-from shared.kv_events import END_SEQ, AllBlocksCleared, EventBatch, KVEventDecoder
+from shared.kv_blocks import KVBlockChanges, marker
+from shared.kv_events import END_SEQ, EventBatch, KVEventDecoder
 from shared.waits import within
 
 log = logging.getLogger("lig.kv_events.pod")
@@ -105,6 +106,12 @@ class PodStream:
         self._told_framing = False
         """An unreadable replay reply was logged (once per stream: a publisher that speaks
         another framing would fill the log)."""
+
+    def resume(self, last: tuple[int, float]) -> None:
+        """Go on after batch ``last`` (sequence, publish time), which an earlier bridge
+        published, instead of from 0: call before :meth:`run`. Its first replay is asked from
+        that batch; when the engine still holds it and what followed, nothing is cleared."""
+        self.tracker.resume(*last)
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.counts[outcome] += n
@@ -203,9 +210,8 @@ class PodStream:
     async def _marker(self, resync: bool) -> None:
         """Tell subscribers this rank's cache is empty (``resync``: and partly unknown)."""
         pod = self.pod
-        await self._publish(KVBlockChanges(
-            pod.pool, pod.pod, pod.address, -1, time.time(), [AllBlocksCleared()], pod.dp_rank,
-            resync=resync))
+        await self._publish(marker(pod.pool, pod.pod, pod.address, pod.dp_rank, time.time(),
+                                   resync=resync))
 
     async def _recover(self, current: EventBatch | None) -> None:
         """Replay from the last batch applied; then apply ``current`` (the batch that showed

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import enum
 
+import msgspec
+
+from shared.kv_blocks import KVBlockChanges
+
 
 class Verdict(enum.Enum):
     """What to do with a batch."""
@@ -66,6 +70,13 @@ class SequenceTracker:
         self.expected = seq
         self._floor = min(self._floor, seq)
 
+    def resume(self, seq: int, ts: float) -> None:
+        """Continue after batch ``seq`` (published at ``ts``), applied by an earlier bridge: the
+        first replay is asked from it, which tells whether the engine that sent it still runs
+        and its buffer still covers what came after."""
+        self.applied(seq, ts)
+        self._floor = self.expected
+
     def restart(self) -> None:
         """The engine restarted: its sequence starts again at 0."""
         self.expected = 0
@@ -85,3 +96,29 @@ class SequenceTracker:
         if first[0] == self.last[0]:
             return first[1] == self.last[1]
         return None if first[0] > self.last[0] else False
+
+
+class ResumePoint(msgspec.Struct, frozen=True):
+    """Where a pod-rank's stream goes on from, as the bridge's recording tells."""
+
+    next_stream_seq: int
+    """The number the next message published for the pod-rank takes."""
+    last: tuple[int, float] | None
+    """Sequence and publish time of the last vLLM batch published; None: none to continue
+    from (the stream starts over with a replay from 0, as without a recording)."""
+
+
+def resume_point(recorded: KVBlockChanges | None, address: str, dp_rank: int
+                 ) -> ResumePoint | None:
+    """How a stream of the pod-rank at ``address`` resumes from ``recorded``, the last message
+    recorded on its pod's subject (None: nothing recorded, start as without a recording).
+
+    Only a message of the same rank and address tells where the stream stood: another rank's
+    (the subject is per pod) or another address's (another pod under the name) says nothing of
+    this one, whose numbering then starts over. A marker's position is unknown (a restarted
+    engine or a resync; the stream then went on from a replay from 0 or from the next batch
+    heard), so the vLLM stream restarts from 0 while the numbering continues."""
+    if recorded is None or recorded.dp_rank != dp_rank or recorded.address != address:
+        return None
+    last = (recorded.source_seq, recorded.ts) if recorded.source_seq >= 0 else None
+    return ResumePoint(recorded.stream_seq + 1, last)

@@ -39,6 +39,13 @@ from shared.subjects import Subjects
 
 log = logging.getLogger("lig.picker.kv_blocks_feed")
 
+ORDERED_HEARTBEAT_S = 0.5
+"""The recording's consumers' idle heartbeat. nats-py rebuilds an ordered consumer once two
+heartbeats are missed; with its default (5 s) a consumer lost with a restarted NATS came back
+10-20 s later (12 s measured, bench/bench_kv_events_nats_restart.py), against 0.5 s for live
+subscriptions; with 0.5 s, about 1 s. A rebuild resumes after the last message delivered: a
+spurious one (a loaded picker) costs a request, never a message."""
+
 
 class KVBlocksSink:
     """Decodes one message into its pool's precise index; the part of the feed without a
@@ -120,6 +127,7 @@ async def _subscribe_recorded(client: Client, stream: str, names: Sequence[str],
         for name in names:
             subscriptions.append(await js.subscribe(
                 name, stream=stream, cb=on_message, ordered_consumer=True,
+                idle_heartbeat=ORDERED_HEARTBEAT_S,
                 deliver_policy=DeliverPolicy.ALL, pending_msgs_limit=PENDING_MESSAGES))
     except (NatsError, TimeoutError) as exc:
         log.warning("cannot read the recording of KV block changes %s (%s: %s): the precise "

@@ -61,6 +61,15 @@ class NatsServer:
             self._process.wait()
         self._process = None
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-write, as in a crash (``start`` brings it back on the
+        same port and store)."""
+        if self._process is None:
+            return
+        self._process.kill()
+        self._process.wait()
+        self._process = None
+
     def restart(self) -> None:
         self.stop()
         self.start()
