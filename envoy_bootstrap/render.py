@@ -24,7 +24,6 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # body into BUFFERED with a mode override), FULL_DUPLEX_STREAMED (as Gateway API gateways and
 # llm-d run an endpoint picker: request and response bodies stream through the picker).
 BODY_MODES = ("BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED")
-_RESPONSE_REWRITE_FILTERS = ("lig.response_rewrite", "lig.response_rewrite_events")
 
 
 class PickerEndpoint(msgspec.Struct, frozen=True):
@@ -108,8 +107,10 @@ def envoy_config(
 def use_body_mode(config: dict[str, Any], body_mode: str) -> None:
     """Set the routing filter's body mode. FULL_DUPLEX_STREAMED also streams the response
     through the routing stream (headers, body and trailers SEND, as the Inference Extension's
-    gateways configure it; Envoy allows no mode override then), so the picker puts the
-    requested model name back itself and the response-rewrite filters go."""
+    gateways configure it; Envoy allows no mode override then). The response-rewrite filter
+    stays in every mode: in FULL_DUPLEX_STREAMED the picker puts the requested name back too,
+    but a picker that dies mid-response lets the rest through unchanged (failure_mode_allow),
+    and only Envoy's own rewrite then restores it."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"unknown body mode {body_mode!r}; one of {', '.join(BODY_MODES)}")
     routing = ext_proc_filter(config)
@@ -120,8 +121,6 @@ def use_body_mode(config: dict[str, Any], body_mode: str) -> None:
     mode.update(response_header_mode="SEND", response_body_mode=body_mode,
                 request_trailer_mode="SEND", response_trailer_mode="SEND")
     routing["allow_mode_override"] = False
-    filters = _gateway_manager(config)["http_filters"]
-    filters[:] = [f for f in filters if f.get("name") not in _RESPONSE_REWRITE_FILTERS]
 
 
 def _use_tls(cluster: dict[str, Any], tls: PickerTls) -> None:
@@ -155,10 +154,16 @@ def dump_envoy_config(config: dict[str, Any]) -> str:
 
 
 class _NoAliases(yaml.SafeDumper):
-    """Writes the template's shared parts (YAML anchors) out in full: plainer to read."""
+    """Writes the template's shared parts (YAML anchors) out in full, and multi-line strings
+    (the response-rewrite filter's Lua script) as ``|`` blocks: plainer to read."""
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
+
+
+_NoAliases.add_representer(
+    str, lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
 def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any]:

@@ -40,12 +40,12 @@ def test_shipped_bootstrap_is_valid_and_keeps_the_contract() -> None:
     # Fail closed without failing open: a client's destination header is dropped before the
     # picker is asked, so a request the picker did not route has no destination (503).
     assert ext_proc["failure_mode_allow"] is True
-    (first, second, *_) = config["static_resources"]["listeners"][0]["filter_chains"][0][
+    (first, _, routing, *_) = config["static_resources"]["listeners"][0]["filter_chains"][0][
         "filters"][0]["typed_config"]["http_filters"]
     assert first["name"] == "envoy.filters.http.header_mutation"
     assert {"remove": "x-gateway-destination-endpoint"} in first["typed_config"]["mutations"][
         "request_mutations"]
-    assert second["name"] == "envoy.filters.http.ext_proc"
+    assert routing["name"] == "envoy.filters.http.ext_proc"
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
@@ -107,31 +107,42 @@ def test_at_least_one_picker_is_required() -> None:
         envoy_config(listener_port=1, admin_port=2, pickers=[])
 
 
-def test_response_rewrite_filters_start_at_the_response_and_skip_envoys_own_replies() -> None:
+def test_envoy_itself_puts_the_model_back_only_for_rewritten_requests() -> None:
     config = yaml.safe_load(template_text())
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
+    names = [f["name"] for f in manager["http_filters"]]
+    # Responses pass the filters in reverse: the rewrite sits after the routing filter on the
+    # way out, where no filter holds the headers while it changes chunks (setBytes also sets
+    # content-length on them).
+    assert names == ["envoy.filters.http.header_mutation", "lig.response_rewrite",
+                     "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
     filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
     routing = filters["envoy.filters.http.ext_proc"]
     assert routing["metadata_options"]["receiving_namespaces"]["untyped"] == ["lig"]
-    failure_modes = {}
-    for name in ("lig.response_rewrite", "lig.response_rewrite_events"):
-        matchers = filters[name]["xds_matcher"]["matcher_list"]["matchers"]
-        # The marker first: a reply to a request whose headers never parsed has no request
-        # header to match on, and must not wait on a picker.
-        first = matchers[0]["predicate"]["single_predicate"]["input"]["typed_config"]
-        assert first["header_name"] == "x-gateway-local-reply"
-        ext_proc = filters[name]["extension_config"]["typed_config"]
-        assert ext_proc["processing_mode"]["request_header_mode"] == "SKIP"
-        assert ext_proc["processing_mode"]["response_header_mode"] == "SEND"
-        assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == ["lig"]
-        failure_modes[name] = ext_proc["failure_mode_allow"]
-    assert failure_modes == {"lig.response_rewrite": False, "lig.response_rewrite_events": True}
+    rewrite = filters["lig.response_rewrite"]
+    matchers = rewrite["xds_matcher"]["matcher_list"]["matchers"]
+    # The marker first: a reply to a request whose headers never parsed has no request header
+    # to match on. Then: only requests the picker marked for the rewrite.
+    inputs = [m["predicate"].get("single_predicate") or m["predicate"]["not_matcher"][
+        "single_predicate"] for m in matchers]
+    assert [i["input"]["typed_config"]["header_name"] for i in inputs] == [
+        "x-gateway-local-reply", "x-gateway-model-rewrite"]
+    lua = rewrite["extension_config"]["typed_config"]
+    assert lua["@type"].endswith("envoy.extensions.filters.http.lua.v3.Lua")
+    script = lua["default_source_code"]["inline_string"]
+    assert 'dynamicMetadata():get("lig")' in script and "requested_model" in script
     mappers = manager["local_reply_config"]["mappers"]
     assert all(m["headers_to_add"][0]["header"]["key"] == "x-gateway-local-reply"
                for m in mappers)
     assert {"remove": "x-gateway-local-reply"} in filters["envoy.filters.http.header_mutation"][
         "mutations"]["response_mutations"]
+
+
+def test_the_lua_script_is_rendered_as_a_readable_block() -> None:
+    text = render_envoy_config(pickers=[PickerEndpoint("127.0.0.1")])
+    assert "inline_string: |\n" in text
+    assert "function envoy_on_response(handle)\n" in text
 
 
 def test_response_timeout_is_rendered_as_the_routes_idle_limit_per_try(tmp_path: Path) -> None:
@@ -164,10 +175,11 @@ def test_each_body_mode_renders_a_valid_bootstrap(tmp_path: Path, body_mode: str
         # The routing stream sees the whole response and puts the model back itself.
         assert mode["response_body_mode"] == body_mode
         assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
-        assert "lig.response_rewrite" not in names
     else:
         assert mode["response_body_mode"] == "NONE"
-        assert "lig.response_rewrite" in names
+    # Envoy puts it back in every mode: a picker that dies mid-response lets the rest of a
+    # FULL_DUPLEX_STREAMED response through unchanged.
+    assert "lig.response_rewrite" in names
     path = tmp_path / "envoy.yaml"
     path.write_text(render_envoy_config(listener_port=18080, admin_port=19901,
                                         pickers=[PickerEndpoint("127.0.0.1")],

@@ -9,14 +9,16 @@ Errors become an ImmediateResponse with an OpenAI-shaped JSON body; the stream s
 
 When a request was resolved to a different target model, the routing answer also sets
 ``x-gateway-model-rewrite`` (the requested name, percent-encoded) and the requested name in the
-``lig`` dynamic metadata. The shipped Envoy bootstrap runs a second ext_proc filter only for such
-requests; its stream starts with the response headers (carrying that metadata), so it is opened
-on a picker alive when the response arrives, and the picker answers with a ``mode_override``
-asking for the response body (BUFFERED for JSON, STREAMED for Server-Sent Events) and rewrites
-``model`` back to the name the client asked for. Every other request costs the picker two
-messages. (A stream that starts with request headers carrying ``x-gateway-model-rewrite``, as
-earlier bootstraps sent, and an Envoy that sends response headers on the routing stream itself
-get the same treatment.)
+``lig`` dynamic metadata. The shipped Envoy bootstrap puts that name back in the response itself
+(its ``lig.response_rewrite`` Lua filter), so that no picker is needed once a request is routed:
+a picker that dies while a response streams leaves no answer naming the target (issue 26), and
+every request costs the picker two messages. In FULL_DUPLEX_STREAMED mode the response passes
+the routing stream anyway, and the picker puts the name back there too, for gateways without
+that filter. Bootstraps before issue 26 ran a second ext_proc filter for such requests, whose
+stream starts with the response headers (carrying the metadata) or with request headers
+carrying ``x-gateway-model-rewrite``; the picker still answers it, with a ``mode_override``
+asking for the response body (BUFFERED for JSON, STREAMED for Server-Sent Events), and rewrites
+``model`` back to the name the client asked for.
 
 Envoy 1.34 and later say how they send bodies (``protocol_config`` on the first message). A
 client that does not (older Envoy, other ext_proc clients) is taken to wait for each answer, as
@@ -78,8 +80,9 @@ MAX_HELD_BODY = 32 * 1024 * 1024
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _EVENT_STREAM = b"text/event-stream"
 REWRITE_HEADER = "x-gateway-model-rewrite"
-# Dynamic metadata namespace and key naming the requested model for the response-rewrite filters
-# (Envoy forwards the namespace to their streams, which start with the response headers).
+# Dynamic metadata namespace and key naming the requested model for Envoy's response-rewrite
+# filter (and for the ext_proc rewrite streams of bootstraps before issue 26, which start with
+# the response headers).
 METADATA_NAMESPACE = "lig"
 REQUESTED_MODEL_KEY = "requested_model"
 
@@ -247,8 +250,7 @@ class Exchange:
     __slots__ = ("_body_ended", "_chunks", "_held_bytes", "_held_chunks", "_hold_headers",
                  "_mode_told", "_objective", "_p", "_refused", "_reports_status", "_request_id",
                  "_request_mode", "_response_buffered", "_response_mode", "_rewrite_to",
-                 "_rewriter", "_seen", "_selection", "_served_seen", "_subset",
-                 "_tokens_counted_elsewhere", "routed")
+                 "_rewriter", "_seen", "_selection", "_served_seen", "_subset", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
@@ -273,9 +275,6 @@ class Exchange:
         self._served_seen = False
         self._request_id = ""  # Envoy's x-request-id, when recording
         self._seen: ResponseSeen | None = None  # what passed of the response, when recording
-        # The response-rewrite filter's own stream counts this response's tokens in the metrics
-        # (this stream reads them only for the outcome record).
-        self._tokens_counted_elsewhere = False
 
     def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
         """The answers to ``message`` (none while its answer must wait for more body)."""
@@ -289,7 +288,7 @@ class Exchange:
             self._take_served(message.metadata_context)
         if kind == "response_headers":
             if self._rewrite_to is None and message.HasField("protocol_config"):
-                self._start_with_response(message)  # a response-rewrite filter's stream
+                self._start_with_response(message)  # an earlier bootstrap's rewrite stream
             replies = self._response_headers(message.response_headers)
             if self._p.conformance and self.routed is not None:
                 return _with_served_header(replies, message.metadata_context)
@@ -311,23 +310,21 @@ class Exchange:
             self.routed = self._p.served(self.routed, served)
 
     def close(self) -> None:
-        """The stream ended: the request is no longer in flight; count its token usage."""
+        """The stream ended: the request is no longer in flight; count its token usage (read
+        when this stream saw the response body: ``--record-responses``, FULL_DUPLEX_STREAMED)."""
         routed = self.routed
+        if routed is None:
+            return
         usage = self._rewriter.usage if self._rewriter is not None else None
-        if routed is not None:
-            if usage is not None:
-                self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens,
-                                         self._seen, usage.cached_tokens)
-                if usage.cached_tokens is not None:
-                    self._p.metrics.count_reuse(routed.pool, routed.cached_on(routed.pod),
-                                                usage.cached_tokens)
-            else:
-                self._p.gateway.finished(routed, response=self._seen)
-        if usage is not None and not self._tokens_counted_elsewhere:
-            if routed is not None:
-                self._p.metrics.count_tokens(routed.model, routed.registered, usage)
-            elif self._rewrite_to is not None:  # only registered models are rewritten
-                self._p.metrics.count_tokens(self._rewrite_to, True, usage)
+        if usage is None:
+            self._p.gateway.finished(routed, response=self._seen)
+            return
+        self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens, self._seen,
+                                 usage.cached_tokens)
+        if usage.cached_tokens is not None:
+            self._p.metrics.count_reuse(routed.pool, routed.cached_on(routed.pod),
+                                        usage.cached_tokens)
+        self._p.metrics.count_tokens(routed.model, routed.registered, usage)
 
     # --- request -------------------------------------------------------------------------
 
@@ -352,7 +349,7 @@ class Exchange:
             self._selection = conformance.selection(message.request_headers)
         if self._request_mode == NONE:
             requested = _header(message.request_headers, REWRITE_HEADER)
-            if requested is not None:  # the response-rewrite filter's stream
+            if requested is not None:  # an earlier bootstrap's rewrite stream
                 self._rewrite_to = urllib.parse.unquote(requested.decode(errors="replace"))
                 return (self._p.rewrite_headers_continue,)
         if message.request_headers.end_of_stream or self._request_mode == NONE:
@@ -560,7 +557,7 @@ class Exchange:
                 self._p.gateway.responded(self.routed, _status(headers))
                 if self._p.record_responses and not headers.end_of_stream:
                     return (self._read_response(headers),)
-            return (self._p.response_headers_continue,)  # the rewrite filters do the rest
+            return (self._p.response_headers_continue,)  # Envoy puts the name back
         rewrite_to = self._rewrite_to
         if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
             return (self._p.response_headers_continue,)
@@ -589,10 +586,9 @@ class Exchange:
     def _read_response(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
         """``--record-responses``: ask for the body (BUFFERED JSON, STREAMED events) to read its
         usage and first byte; nothing of it is changed (a rewritten model name is put back by
-        the response-rewrite filters, whose stream also counts the tokens)."""
+        Envoy's response-rewrite filter)."""
         sse = _is_event_stream(headers)
         self._rewriter = ResponseRewriter(None, sse)
-        self._tokens_counted_elsewhere = self._rewrite_to is not None
         reply = pb.ProcessingResponse()
         reply.response_headers.response.SetInParent()
         reply.mode_override.request_body_mode = self._request_mode

@@ -37,7 +37,8 @@ class PickerMetrics:
             "lig_picker_decision_seconds", "Time from a complete request body to the routing "
             "answer", buckets=_DECISION_BUCKETS, registry=prometheus)
         self.tokens = Counter(
-            "lig_picker_tokens", "Tokens reported in response usage, by requested model and kind",
+            "lig_picker_tokens", "Tokens reported in response usage, by requested model and "
+            "kind, of the responses the picker reads (--record-responses, FULL_DUPLEX_STREAMED)",
             ["model", "kind"], registry=prometheus)
         self.all_stale = Counter(
             "lig_picker_all_stale_decisions", "Requests routed uniformly at random because no "

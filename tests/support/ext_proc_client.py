@@ -9,15 +9,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 DESTINATION = "x-gateway-destination-endpoint"
+REWRITE = "x-gateway-model-rewrite"
 BUFFERED = 1  # ProcessingMode.BodySendMode.BUFFERED
 
 
 @dataclass(frozen=True)
 class Route:
-    """The picker's answer: the destination it set, or the status of its immediate response."""
+    """The picker's answer: the destination it set, or the status of its immediate response;
+    ``rewrite``: the requested name it asks Envoy to put back in the response (percent-encoded),
+    when it sent the request to another target model."""
 
     destination: str | None
     status: int | None
+    rewrite: str | None = None
 
 
 def _headers(path: bytes) -> pb.ProcessingRequest:
@@ -34,7 +38,9 @@ def _answer(answer: pb.ProcessingResponse) -> Route:
     mutation = answer.request_body.response.header_mutation
     found = {o.header.key: o.header.raw_value for o in mutation.set_headers}
     destination: bytes | None = found.get(DESTINATION)
-    return Route(destination.decode() if destination is not None else None, None)
+    rewrite: bytes | None = found.get(REWRITE)
+    return Route(destination.decode() if destination is not None else None, None,
+                 rewrite.decode() if rewrite is not None else None)
 
 
 def route_sync(port: int, body: bytes, path: bytes = b"/v1/completions",
