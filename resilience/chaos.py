@@ -108,7 +108,7 @@ async def _streams_in_flight(run: LoadRun, wanted: int, within: float) -> int:
 async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSettings) -> list[Figure]:
     """SIGKILL the fault's service under load, start it again after the outage."""
     run = LoadRun()
-    rss = _pickers_rss(stack)
+    before = await _snapshot(stack)
     load = _with_load(stack, settings, settings.before + settings.outage
                       + _after_fault(stack, settings), run)
     figures: list[Figure] = []
@@ -122,7 +122,7 @@ async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSetting
     stack.kill(KILLED[fault])
     await asyncio.sleep(settings.outage)
     stack.restart(KILLED[fault])
-    figures += await _judge_indexes(stack, fault, settings, time.monotonic(), rss)
+    figures += await _judge_indexes(stack, fault, settings, time.monotonic(), before)
     await load
     return [*_lost_figures(fault, run.outcomes), *figures]
 
@@ -130,7 +130,7 @@ async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSetting
 async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     """SIGSTOP one pod under load, SIGCONT it after ``pod_stop`` seconds."""
     run = LoadRun()
-    rss = _pickers_rss(stack)
+    before = await _snapshot(stack)
     load = _with_load(stack, settings, settings.before + settings.pod_stop
                       + _after_fault(stack, settings), run)
     await asyncio.sleep(settings.before)
@@ -139,18 +139,29 @@ async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
         await asyncio.sleep(settings.pod_stop)
     finally:
         stack.pause(STOPPED_POD, False)
-    figures = await _judge_indexes(stack, "pod-stop", settings, time.monotonic(), rss)
+    figures = await _judge_indexes(stack, "pod-stop", settings, time.monotonic(), before)
     await load
     return [*_lost_figures("pod-stop", run.outcomes), *figures]
 
 
-def _pickers_rss(stack: OwnedStack) -> dict[str, tuple[int | None, int | None]]:
+Rss = dict[str, tuple[int | None, int | None]]  # picker -> its pid and resident bytes
+State = tuple[int, int] | None  # a picker's precise blocks and incomplete pods (None: unreadable)
+
+
+class IndexSnapshot(msgspec.Struct, frozen=True):
+    """What the pickers believe and what the pods hold, at one moment."""
+
+    states: dict[str, State]  # picker -> its precise index's state
+    truth: int  # the witness's blocks over every pod
+    rss: Rss
+
+
+def _pickers_rss(stack: OwnedStack) -> Rss:
     """Each picker's pid and resident bytes now."""
     return {p.name: (p.pid, rss_bytes(p.pid) if p.pid else None) for p in stack.target.pickers}
 
 
-def _rss_figure(fault: str, before: dict[str, tuple[int | None, int | None]],
-                after: dict[str, tuple[int | None, int | None]]) -> Figure:
+def _rss_figure(fault: str, before: Rss, after: Rss) -> Figure:
     """The pickers' memory at the window's start and at the index check (context only)."""
     def mib(value: int | None) -> str:
         return "?" if value is None else f"{value / (1 << 20):.0f}"
@@ -163,7 +174,7 @@ def _rss_figure(fault: str, before: dict[str, tuple[int | None, int | None]],
     return Figure(fault, "picker RSS at the start -> at the check", "; ".join(parts))
 
 
-async def precise_state(url: str) -> tuple[int, int] | None:
+async def precise_state(url: str) -> State:
     """A picker's precise index over its pools from its ``/metrics``: blocks held and pods
     marked incomplete; None when it cannot be read."""
     blocks = incomplete = 0
@@ -181,37 +192,57 @@ async def precise_state(url: str) -> tuple[int, int] | None:
     return blocks, incomplete
 
 
-def index_figure(fault: str, picker: str, state: tuple[int, int] | None, truth: int,
-                 after: float) -> Figure:
+async def _snapshot(stack: OwnedStack) -> IndexSnapshot | None:
+    """Every picker's precise index, the witness's truth and the pickers' memory (None without
+    a witness)."""
+    if stack.witness is None:
+        return None
+    states = {p.name: await precise_state(p.metrics_url) if p.metrics_url else None
+              for p in stack.target.pickers}
+    return IndexSnapshot(states, stack.witness.report().total, _pickers_rss(stack))
+
+
+def _off(blocks: int, truth: int) -> float:
+    """How far ``blocks`` is from ``truth``, in percent of it (100 when only the truth is 0)."""
+    return 100.0 * (blocks - truth) / truth if truth else (0.0 if blocks == 0 else 100.0)
+
+
+def index_figure(fault: str, picker: str, state: State, truth: int, after: float,
+                 before: State = None, truth_before: int = 0) -> Figure:
     """One picker's index against the truth: PASS when within the tolerance (or both empty),
-    or when the picker marks pods incomplete; the value says which held."""
-    name = f"{picker} precise index {after:g} s after"
+    or when the picker marks pods incomplete; the value says which held, and how far off the
+    picker was before the fault (``before``, when known: an earlier fault's aftermath)."""
+    name = f"{picker} precise index {after:g} s after the fault"
     target = f"within {INDEX_TOLERANCE_PCT:g}% or pods incomplete"
     if state is None:
         return Figure(fault, name, "metrics unreadable", target, False)
     blocks, incomplete = state
-    off = 100.0 * (blocks - truth) / truth if truth else (0.0 if blocks == 0 else 100.0)
+    off = _off(blocks, truth)
     within = abs(off) <= INDEX_TOLERANCE_PCT
     held = ("within" if within else "") + (" + " if within and incomplete else "") + (
         "incomplete" if incomplete else "")
+    earlier = ("" if before is None else
+               f" (before the fault: {_off(before[0], truth_before):+.1f}%, {before[1]} "
+               "incomplete)")
     return Figure(fault, name, f"{blocks} of {truth} true blocks ({off:+.1f}%), "
-                               f"{incomplete} pods incomplete: {held or 'neither'}",
+                               f"{incomplete} pods incomplete: {held or 'neither'}{earlier}",
                   target, within or incomplete > 0)
 
 
 async def _judge_indexes(stack: OwnedStack, fault: str, settings: ChaosSettings, ended: float,
-                         rss: dict[str, tuple[int | None, int | None]]) -> list[Figure]:
+                         before: IndexSnapshot | None) -> list[Figure]:
     """``index_check`` s after the fault ended at ``ended``: every picker's precise index against
-    the witness's true total, and the pickers' memory (nothing without a witness)."""
-    if stack.witness is None:
+    the witness's true total, and the pickers' memory, beside their state ``before`` the fault
+    (nothing without a witness)."""
+    if before is None:
         return []
     await asyncio.sleep(max(0.0, ended + settings.index_check - time.monotonic()))
-    pickers = [p for p in stack.target.pickers if p.metrics_url]
-    states = [await precise_state(p.metrics_url) for p in pickers if p.metrics_url]
-    truth = stack.witness.report().total
-    return [*(index_figure(fault, p.name, state, truth, settings.index_check)
-              for p, state in zip(pickers, states, strict=True)),
-            _rss_figure(fault, rss, _pickers_rss(stack))]
+    after = await _snapshot(stack)
+    assert after is not None  # the same witness as before
+    return [*(index_figure(fault, name, state, after.truth, settings.index_check,
+                           before.states.get(name), before.truth)
+              for name, state in after.states.items()),
+            _rss_figure(fault, before.rss, after.rss)]
 
 
 async def routed_by_pod(urls: list[str]) -> Counter[str] | None:

@@ -32,7 +32,8 @@ SHORT_FAULTS = chaos.ChaosSettings(faults=("collector", "kv-events", "picker-str
                                    before=0.5, outage=1.0, settle=1.0, index_check=1.0,
                                    streams_in_flight=1, request_timeout=10)
 INDEX_VALUE = re.compile(r"(\d+) of (\d+) true blocks \([+-]\d+\.\d%\), (\d+) pods incomplete: "
-                         r"(within|incomplete|within \+ incomplete|neither)")
+                         r"(within|incomplete|within \+ incomplete|neither) "
+                         r"\(before the fault: [+-]\d+\.\d%, \d+ incomplete\)")
 
 
 def _named(figures: list[Figure], scenario: str, name: str) -> Figure:
@@ -84,7 +85,7 @@ async def test_every_attack_and_some_faults_run_and_report() -> None:
         faults, "picker-streams", "rewritten streams in flight at the kill").value)
     for fault in SHORT_FAULTS.faults:
         for picker in ("picker-0", "picker-1"):
-            index = _named(faults, fault, f"{picker} precise index 1 s after")
+            index = _named(faults, fault, f"{picker} precise index 1 s after the fault")
             match = INDEX_VALUE.fullmatch(index.value)
             assert match, index
             assert int(match[2]) > 0, index  # the chats' system prompt is cached and announced
