@@ -64,6 +64,10 @@ _CHAOS_FLAGS = {
     "outage": "seconds a killed service stays down before it is started again",
     "pod_stop": "seconds a pod stays stopped (SIGSTOP)",
     "settle": "seconds of load after each recovery",
+    "index_check": "seconds after a kill's or pod stop's end when each picker's precise index "
+                   "is judged against the block witness (the load runs until then)",
+    "streams_in_flight": "rewritten streams picker-streams waits for (at most --before s more) "
+                         "before killing picker-0",
     "gray_seconds": "seconds of load with pod 0 gray",
     "gray_warmup": "seconds before the gray pod's share is counted",
     "request_timeout": "seconds a client waits for an answer before counting it lost",
@@ -116,6 +120,11 @@ def configure_chaos(parser: argparse.ArgumentParser) -> None:
                         " (default: all)")
     _settings_flags(parser, chaos.ChaosSettings(), _CHAOS_FLAGS)
     _stack_flags(parser)
+    parser.add_argument("--replay-buffer", type=int, default=chaos.REPLAY_BUFFER,
+                        metavar="BATCHES",
+                        help="KV-event batches each pod keeps for replays (vLLM's buffer_steps; "
+                             "vLLM keeps 10000, minutes of load: a small buffer has rolled over "
+                             "when lig kv-events restarts, as in issue 26, within a short run)")
 
 
 def _print(figures: list[Figure]) -> int:
@@ -148,7 +157,8 @@ async def _chaos(args: argparse.Namespace) -> int:
     settings = _settings(chaos.ChaosSettings, args, _CHAOS_FLAGS, faults=args.faults,
                          ready_timeout=args.ready_timeout)
     async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
-                         response_timeout=settings.response_timeout) as stack:
+                         response_timeout=settings.response_timeout, witness=True,
+                         replay_buffer=args.replay_buffer) as stack:
         return _print(await chaos.run_chaos(stack, settings))
 
 
@@ -166,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
              "bad HTTP through Envoy, under client traffic"))
     configure_chaos(tools.add_parser(
         "chaos", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="kill NATS, collector, a picker, the registry; stop a pod; turn a pod gray; all "
-             "under load through Envoy, counting lost requests"))
+        help="kill NATS, collector, a picker, the registry, lig kv-events, a picker with "
+             "rewritten streams in flight; stop a pod; turn a pod gray; all under load through "
+             "Envoy, counting lost requests and judging the pickers' precise indexes against a "
+             "witness of the pods' true block sets"))
     args = parser.parse_args(argv)
     if args.tool == "attack" and args.gateway is not None and not args.picker:
         parser.error("--gateway needs at least one --picker PORT")
     if args.rate <= 0 or getattr(args, "duration", 1) <= 0:
         parser.error("--rate and --duration must be above 0")
+    if getattr(args, "replay_buffer", 1) < 1:
+        parser.error("--replay-buffer must be at least 1")
     # As in lig up: the readiness checks' NATS client would log its reconnects and closes.
     setup_logging("resilience", "ERROR")
     try:

@@ -1,30 +1,46 @@
-"""Fault runs under steady load through Envoy: kill NATS, the collector, a picker, the registry
-(each SIGKILLed, then started again after ``outage`` seconds), stop a pod (SIGSTOP for
-``pod_stop`` seconds, then SIGCONT), and turn a pod gray (``lig sim``'s gray fault: idle
-metrics, completions never answered).
+"""Fault runs under steady load through Envoy: kill NATS, the collector, a picker, the registry,
+``lig kv-events``, or a picker while rewritten streams are in flight (each SIGKILLed, then
+started again after ``outage`` seconds), stop a pod (SIGSTOP for ``pod_stop`` seconds, then
+SIGCONT), and turn a pod gray (``lig sim``'s gray fault: idle metrics, completions never
+answered).
 
-Every fault runs in its own window of steady load, and only after the whole stack is ready
-again. A request is lost when it gets no 200 within the client timeout. For the gray pod the
-share of requests the pickers route to it, after ``gray_warmup`` seconds, is measured from their
-own counters (``lig_picker_requests_total`` by pod).
+Every fault runs in its own window of steady load (issue 26's mix: short completions, chats
+sharing a 2,000-token system prompt, streams), and only after the whole stack is ready again. A
+request is lost when it gets no 200 within the client timeout (or its stream is cut). For the
+gray pod the share of requests the pickers route to it, after ``gray_warmup`` seconds, is
+measured from their own counters (``lig_picker_requests_total`` by pod).
+
+With the stack's block witness (:mod:`resilience.witness`), each kill and the pod stop are also
+judged by what the pickers believe: ``index_check`` seconds after the fault's end, under load,
+each picker's precise index (``lig_picker_precise_blocks``) must be within 2% of the pods' true
+block sets, or the picker must say that it is not (``lig_picker_precise_incomplete_pods`` > 0).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from resilience.load import LoadRun, Outcome, steady_load
+from resilience.load import KV_MIX, LoadRun, Outcome, steady_load
+from resilience.procinfo import rss_bytes
 from resilience.report import Figure
 from resilience.stack import OwnedStack
+from resilience.witness import WitnessReport
 
 KILLED = {"nats": "nats", "collector": "collector", "picker": "picker-0",
-          "registry": "registry"}
+          "registry": "registry", "kv-events": "kv-events", "picker-streams": "picker-0"}
 FAULTS = (*KILLED, "pod-stop", "gray-pod")
+REPLAY_BUFFER = 50
+"""KV-event batches a chaos stack's pod keeps for replays: about 2 s of this load, so that a
+restarted ``lig kv-events`` finds the buffers rolled over (issue 26's case; vLLM's 10,000
+batches take minutes to roll over)."""
+STREAM_POLL = 0.01  # seconds between looks at the streams in flight
+INDEX_TOLERANCE_PCT = 2.0  # issue 26: a picker's precise index within 2% of the true block sets
 STOPPED_POD = "sim-0"
 GRAY_HELD_STATUS = 504  # Envoy's answer once a pod stays silent for the response timeout
 GRAY_SHARE_TARGET_PCT = 2.0
@@ -39,6 +55,8 @@ class ChaosSettings(msgspec.Struct, frozen=True):
     outage: float = 5.0  # seconds a killed service stays down
     pod_stop: float = 10.0  # seconds a pod stays stopped
     settle: float = 5.0  # seconds of load after recovery
+    index_check: float = 10.0  # seconds after a fault's end the pickers' indexes are judged
+    streams_in_flight: int = 5  # rewritten streams picker-streams waits for before its kill
     gray_seconds: float = 20.0  # seconds of load with one pod gray
     gray_warmup: float = 5.0  # seconds before its share is counted
     request_timeout: float = 20.0
@@ -66,33 +84,165 @@ def _with_load(stack: OwnedStack, settings: ChaosSettings, seconds: float,
                run: LoadRun) -> asyncio.Task[LoadRun]:
     """Start ``seconds`` of steady load through the stack's Envoy, recorded in ``run``."""
     return asyncio.create_task(steady_load(stack.target.gateway, settings.rate, seconds, run,
-                                           settings.request_timeout))
+                                           settings.request_timeout, KV_MIX))
+
+
+def _after_fault(stack: OwnedStack, settings: ChaosSettings) -> float:
+    """Seconds of load after a fault's end: the settling time, and with a witness at least
+    until the indexes are judged (they are judged under load)."""
+    if stack.witness is None:
+        return settings.settle
+    return max(settings.settle, settings.index_check + 1.0)
+
+
+async def _streams_in_flight(run: LoadRun, wanted: int, within: float) -> int:
+    """Wait (at most ``within`` s) until ``wanted`` split-model streams are in flight; how many
+    are."""
+    for _ in range(int(within / STREAM_POLL)):
+        if run.split_streams >= wanted:
+            break
+        await asyncio.sleep(STREAM_POLL)
+    return run.split_streams
 
 
 async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSettings) -> list[Figure]:
     """SIGKILL the fault's service under load, start it again after the outage."""
     run = LoadRun()
-    load = _with_load(stack, settings, settings.before + settings.outage + settings.settle, run)
+    before = await _snapshot(stack)
+    load = _with_load(stack, settings, settings.before + settings.outage
+                      + _after_fault(stack, settings), run)
+    figures: list[Figure] = []
     await asyncio.sleep(settings.before)
+    if fault == "picker-streams":
+        # The rewrite of a stream's chunks runs on the picker that routed it: kill one with
+        # such streams in flight (spread over both pickers by Envoy).
+        streams = await _streams_in_flight(run, settings.streams_in_flight, settings.before)
+        figures.append(Figure(fault, "rewritten streams in flight at the kill",
+                              f"{streams} (over all pickers)"))
     stack.kill(KILLED[fault])
     await asyncio.sleep(settings.outage)
     stack.restart(KILLED[fault])
+    figures += await _judge_indexes(stack, fault, settings, time.monotonic(), before)
     await load
-    return _lost_figures(fault, run.outcomes)
+    return [*_lost_figures(fault, run.outcomes), *figures]
 
 
 async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
     """SIGSTOP one pod under load, SIGCONT it after ``pod_stop`` seconds."""
     run = LoadRun()
-    load = _with_load(stack, settings, settings.before + settings.pod_stop + settings.settle, run)
+    before = await _snapshot(stack)
+    load = _with_load(stack, settings, settings.before + settings.pod_stop
+                      + _after_fault(stack, settings), run)
     await asyncio.sleep(settings.before)
     stack.pause(STOPPED_POD, True)
     try:
         await asyncio.sleep(settings.pod_stop)
     finally:
         stack.pause(STOPPED_POD, False)
+    figures = await _judge_indexes(stack, "pod-stop", settings, time.monotonic(), before)
     await load
-    return _lost_figures("pod-stop", run.outcomes)
+    return [*_lost_figures("pod-stop", run.outcomes), *figures]
+
+
+Rss = dict[str, tuple[int | None, int | None]]  # picker -> its pid and resident bytes
+State = tuple[int, int] | None  # a picker's precise blocks and incomplete pods (None: unreadable)
+
+
+class IndexSnapshot(msgspec.Struct, frozen=True):
+    """What the pickers believe and what the pods hold, at one moment."""
+
+    states: dict[str, State]  # picker -> its precise index's state
+    truth: int  # the witness's blocks over every pod
+    rss: Rss
+
+
+def _pickers_rss(stack: OwnedStack) -> Rss:
+    """Each picker's pid and resident bytes now."""
+    return {p.name: (p.pid, rss_bytes(p.pid) if p.pid else None) for p in stack.target.pickers}
+
+
+def _rss_figure(fault: str, before: Rss, after: Rss) -> Figure:
+    """The pickers' memory at the window's start and at the index check (context only)."""
+    def mib(value: int | None) -> str:
+        return "?" if value is None else f"{value / (1 << 20):.0f}"
+
+    parts = []
+    for name, (pid, rss) in after.items():
+        first_pid, first_rss = before.get(name, (None, None))
+        parts.append(f"{name} {mib(first_rss)} -> {mib(rss)} MiB"
+                     + (" (restarted)" if pid != first_pid else ""))
+    return Figure(fault, "picker RSS at the start -> at the check", "; ".join(parts))
+
+
+async def precise_state(url: str) -> State:
+    """A picker's precise index over its pools from its ``/metrics``: blocks held and pods
+    marked incomplete; None when it cannot be read."""
+    blocks = incomplete = 0
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        try:
+            page = (await client.get(url)).text
+        except httpx.HTTPError:
+            return None
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "lig_picker_precise_blocks":
+                blocks += int(sample.value)
+            elif sample.name == "lig_picker_precise_incomplete_pods":
+                incomplete += int(sample.value)
+    return blocks, incomplete
+
+
+async def _snapshot(stack: OwnedStack) -> IndexSnapshot | None:
+    """Every picker's precise index, the witness's truth and the pickers' memory (None without
+    a witness)."""
+    if stack.witness is None:
+        return None
+    states = {p.name: await precise_state(p.metrics_url) if p.metrics_url else None
+              for p in stack.target.pickers}
+    return IndexSnapshot(states, stack.witness.report().total, _pickers_rss(stack))
+
+
+def _off(blocks: int, truth: int) -> float:
+    """How far ``blocks`` is from ``truth``, in percent of it (100 when only the truth is 0)."""
+    return 100.0 * (blocks - truth) / truth if truth else (0.0 if blocks == 0 else 100.0)
+
+
+def index_figure(fault: str, picker: str, state: State, truth: int, after: float,
+                 before: State = None, truth_before: int = 0) -> Figure:
+    """One picker's index against the truth: PASS when within the tolerance (or both empty),
+    or when the picker marks pods incomplete; the value says which held, and how far off the
+    picker was before the fault (``before``, when known: an earlier fault's aftermath)."""
+    name = f"{picker} precise index {after:g} s after the fault"
+    target = f"within {INDEX_TOLERANCE_PCT:g}% or pods incomplete"
+    if state is None:
+        return Figure(fault, name, "metrics unreadable", target, False)
+    blocks, incomplete = state
+    off = _off(blocks, truth)
+    within = abs(off) <= INDEX_TOLERANCE_PCT
+    held = ("within" if within else "") + (" + " if within and incomplete else "") + (
+        "incomplete" if incomplete else "")
+    earlier = ("" if before is None else
+               f" (before the fault: {_off(before[0], truth_before):+.1f}%, {before[1]} "
+               "incomplete)")
+    return Figure(fault, name, f"{blocks} of {truth} true blocks ({off:+.1f}%), "
+                               f"{incomplete} pods incomplete: {held or 'neither'}{earlier}",
+                  target, within or incomplete > 0)
+
+
+async def _judge_indexes(stack: OwnedStack, fault: str, settings: ChaosSettings, ended: float,
+                         before: IndexSnapshot | None) -> list[Figure]:
+    """``index_check`` s after the fault ended at ``ended``: every picker's precise index against
+    the witness's true total, and the pickers' memory, beside their state ``before`` the fault
+    (nothing without a witness)."""
+    if before is None:
+        return []
+    await asyncio.sleep(max(0.0, ended + settings.index_check - time.monotonic()))
+    after = await _snapshot(stack)
+    assert after is not None  # the same witness as before
+    return [*(index_figure(fault, name, state, after.truth, settings.index_check,
+                           before.states.get(name), before.truth)
+              for name, state in after.states.items()),
+            _rss_figure(fault, before.rss, after.rss)]
 
 
 async def routed_by_pod(urls: list[str]) -> Counter[str] | None:
@@ -188,4 +338,17 @@ async def run_chaos(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
             figures.append(Figure(fault, "no service died unasked", died.splitlines()[0],
                                   "none", False))
             break
+    if stack.witness is not None:
+        figures.append(witness_figure(stack.witness.report()))
     return figures
+
+
+def witness_figure(report: WitnessReport) -> Figure:
+    """Whether the witness heard every batch of every pod (else its truth is not the truth)."""
+    missed = sum(report.missed.values())
+    restarts = sum(report.restarts.values())
+    return Figure("witness", "KV-event batches heard / missed",
+                  f"{report.batches} / {missed}, {report.total} blocks now"
+                  + (f", {restarts} engine restarts" if restarts else "")
+                  + (f", {report.undecodable} undecodable" if report.undecodable else ""),
+                  "0 missed", missed == 0 and report.undecodable == 0)

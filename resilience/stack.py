@@ -25,6 +25,7 @@ from lig.port_leases import PortLeases
 from lig.supervisor import Child, ChildSpec, Supervisor
 from lig.topology import LOOPBACK, StackPlan
 from resilience.procinfo import pid_listening_on
+from resilience.witness import BlockWitness
 
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # Critical in examples/local: never shed
 SPLIT_MODEL = "tweet-summary"  # rewritten to tweet-summary-1/-2: the response names it again
@@ -62,6 +63,7 @@ class OwnedStack:
     def __init__(self, plan: StackPlan, supervisor: Supervisor) -> None:
         self.plan = plan
         self.supervisor = supervisor
+        self.witness: BlockWitness | None = None  # the pods' true block sets, when asked for
 
     @property
     def target(self) -> Target:
@@ -121,9 +123,11 @@ def _plan_args(state_dir: Path, gateway: int, pods: int, pickers: int, sim_args:
     ])
 
 
-def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan) -> list[ChildSpec]:
+def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan,
+                     replay_buffer: int | None = None) -> list[ChildSpec]:
     """``lig up``'s children with its one ``sim`` process split into one process per pod (each
-    publishing its KV-cache events on its own pod's ports)."""
+    publishing its KV-cache events on its own pod's ports, keeping ``replay_buffer`` batches for
+    replays when given: vLLM's ``buffer_steps``)."""
     split: list[ChildSpec] = []
     for spec in specs:
         if spec.name != "sim":
@@ -135,18 +139,33 @@ def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan) -> list[ChildSpec]
             argv[argv.index("--base-port") + 1] = str(pod.port)
             events = plan.sim_kv_events_flags(pod.port)
             if events:
-                argv[argv.index(events[0]) + 1] = events[1]
+                config = msgspec.json.decode(events[1])
+                if replay_buffer is not None:
+                    config["buffer_steps"] = replay_buffer
+                argv[argv.index(events[0]) + 1] = msgspec.json.encode(config).decode()
             split.append(ChildSpec(f"sim-{index}", argv, spec.env))
     return split
+
+
+def _witness(plan: StackPlan) -> BlockWitness:
+    """A witness of every simulated pod's KV-event PUB socket."""
+    return BlockWitness({pod.name: f"tcp://{LOOPBACK}:{plan.ports.kv_event_ports(pod.port)[0]}"
+                         for pod in plan.pods})
 
 
 @contextlib.asynccontextmanager
 async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
                     ready_timeout: float = 60.0, state_dir: Path | None = None,
-                    response_timeout: float = 120.0) -> AsyncIterator[OwnedStack]:
+                    response_timeout: float = 120.0, witness: bool = False,
+                    replay_buffer: int | None = None) -> AsyncIterator[OwnedStack]:
     """Start a stack on free loopback ports, wait until it serves, stop it all on exit.
 
     ``response_timeout`` is ``lig up --response-timeout``: how long Envoy waits for a silent pod.
+    With ``witness`` a :class:`BlockWitness` (``stack.witness``) subscribes to every pod's KV
+    events as the pods start, and the stack is handed over only once it is connected to all of
+    them: no batch a request causes can be published before the witness hears it.
+    ``replay_buffer`` is each pod's KV-event replay buffer in batches (the simulator's default,
+    vLLM's 10,000, when None).
     """
     with contextlib.ExitStack() as cleanup:
         if state_dir is None:
@@ -158,11 +177,21 @@ async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
         supervisor = Supervisor(state_dir / "logs")
         stack = OwnedStack(plan, supervisor)
         try:
-            for spec in _one_sim_per_pod(plan.children(), plan):
+            for spec in _one_sim_per_pod(plan.children(), plan, replay_buffer):
                 supervisor.start(spec)
+            if witness:
+                stack.witness = _witness(plan)
+                stack.witness.start()
             failure = await stack.wait_ready(ready_timeout)
             if failure is not None:
                 raise RuntimeError(f"the stack did not become ready: {failure}")
+            if stack.witness is not None:
+                unheard = await stack.witness.wait_connected(ready_timeout)
+                if unheard:
+                    raise RuntimeError("the block witness could not connect to the KV events "
+                                       f"of {', '.join(unheard)}")
             yield stack
         finally:
+            if stack.witness is not None:
+                stack.witness.stop()
             supervisor.stop_all(timeout=up.STOP_TIMEOUT)
