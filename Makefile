@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-unit lint bench attack chaos clean
+.PHONY: up test test-unit lint bench attack chaos soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,13 +38,16 @@ lint: $(STAMP)
 bench: $(STAMP)
 	for script in bench/bench_*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
 
-# Attack and chaos runs against a stack each starts on free loopback ports (minutes; bounded;
+# Attack, chaos and soak runs against a stack each starts on free loopback ports (minutes; bounded;
 # see docs/resilience.md). ARGS passes flags, e.g. make attack ARGS='--only flood'.
 attack: $(STAMP)
 	$(BIN)/python -m resilience attack $(ARGS)
 
 chaos: $(STAMP)
 	$(BIN)/python -m resilience chaos $(ARGS)
+
+soak: $(STAMP)
+	$(BIN)/python -m resilience soak $(ARGS)
 
 clean:
 	rm -rf $(VENV) .lig .pytest_cache .mypy_cache build *.egg-info

@@ -1,7 +1,7 @@
-"""``python -m resilience {attack,chaos}``: see docs/resilience.md.
+"""``python -m resilience {attack,chaos,soak}``: see docs/resilience.md.
 
-``attack`` and ``chaos`` print a table of figures and exit 0 when every target is met, 1 when
-one is missed, 2 on bad usage or a stack that does not start.
+Each prints a table of figures and exits 0 when every target is met, 1 when one is missed, 2 on
+bad usage or a stack that does not start.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import msgspec
 
-from resilience import attack, chaos
+from resilience import attack, chaos, soak
 from resilience.report import Figure, all_passed, table
 from resilience.stack import Picker, attach, own_stack
 from shared.logs import setup_logging
@@ -74,6 +74,15 @@ _CHAOS_FLAGS = {
     "response_timeout": "the stack's lig up --response-timeout: seconds Envoy waits for a "
                         "silent pod (the gray pod's held requests) before its 504",
 }
+_SOAK_FLAGS = {
+    "seconds": "seconds of load (the memory target is judged over the last third)",
+    "rate": "unique prompts/s through Envoy",
+    "prompt_tokens": "tokens of each unique prompt (lig sim's tokenizer: one per word)",
+    "request_timeout": "seconds a client waits for an answer before counting it lost",
+    "precise_blocks": "each picker's --precise-blocks (the precise index's bound, a pool)",
+    "prefix_index_entries": "each picker's --prefix-index-entries (the approximate index's "
+                            "bound, a pool)",
+}
 
 
 def _settings_flags(parser: argparse.ArgumentParser, defaults: object,
@@ -127,6 +136,13 @@ def configure_chaos(parser: argparse.ArgumentParser) -> None:
                              "when lig kv-events restarts, as in issue 26, within a short run)")
 
 
+def configure_soak(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``soak`` (it starts its own stack: it must know its pickers' bounds)."""
+    _settings_flags(parser, soak.SoakSettings(), _SOAK_FLAGS)
+    _stack_flags(parser)
+    parser.set_defaults(sim_args=soak.SIM_ARGS)
+
+
 def _print(figures: list[Figure]) -> int:
     print(table(figures), flush=True)
     return 0 if all_passed(figures) else EXIT_MISSED
@@ -162,11 +178,18 @@ async def _chaos(args: argparse.Namespace) -> int:
         return _print(await chaos.run_chaos(stack, settings))
 
 
+async def _soak(args: argparse.Namespace) -> int:
+    settings = _settings(soak.SoakSettings, args, _SOAK_FLAGS)
+    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
+                         picker_args=settings.picker_args()) as stack:
+        return _print(await soak.run_soak(stack, settings))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen tool."""
     parser = argparse.ArgumentParser(
         prog="python -m resilience",
-        description="bounded attack and chaos runs against a gateway stack on loopback; "
+        description="bounded attack, chaos and soak runs against a gateway stack on loopback; "
                     "each prints its figures with PASS/MISS per target (docs/resilience.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tools = parser.add_subparsers(dest="tool", required=True)
@@ -180,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
              "rewritten streams in flight; stop a pod; turn a pod gray; all under load through "
              "Envoy, counting lost requests and judging the pickers' precise indexes against a "
              "witness of the pods' true block sets"))
+    configure_soak(tools.add_parser(
+        "soak", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="unique long prompts through Envoy for minutes, sampling every picker's memory "
+             "every second: it must stay flat over the last third while both prefix indexes "
+             "fill to their bounds"))
     args = parser.parse_args(argv)
     if args.tool == "attack" and args.gateway is not None and not args.picker:
         parser.error("--gateway needs at least one --picker PORT")
@@ -187,10 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rate and --duration must be above 0")
     if getattr(args, "replay_buffer", 1) < 1:
         parser.error("--replay-buffer must be at least 1")
+    if getattr(args, "seconds", 1) <= 0:
+        parser.error("--seconds must be above 0")
+    if getattr(args, "prompt_tokens", soak.MIN_PROMPT_TOKENS) < soak.MIN_PROMPT_TOKENS:
+        parser.error(f"--prompt-tokens must be at least {soak.MIN_PROMPT_TOKENS} (a KV block)")
     # As in lig up: the readiness checks' NATS client would log its reconnects and closes.
     setup_logging("resilience", "ERROR")
     try:
-        return asyncio.run(_attack(args) if args.tool == "attack" else _chaos(args))
+        tool = {"attack": _attack, "chaos": _chaos, "soak": _soak}[args.tool]
+        return asyncio.run(tool(args))
     except RuntimeError as exc:  # the stack did not start
         print(f"resilience: {exc}", file=sys.stderr)
         return EXIT_BAD_USAGE

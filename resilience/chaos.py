@@ -67,7 +67,8 @@ class ChaosSettings(msgspec.Struct, frozen=True):
     ready_timeout: float = 60.0
 
 
-def _lost_figures(fault: str, outcomes: list[Outcome]) -> list[Figure]:
+def lost_figures(fault: str, outcomes: list[Outcome]) -> list[Figure]:
+    """Requests lost and answers naming another model among ``outcomes`` (both target 0)."""
     lost = LoadRun.lost(outcomes)
     wrong = LoadRun.wrong_model(outcomes)
     causes = LoadRun.causes(lost)
@@ -124,7 +125,7 @@ async def kill_and_restart(stack: OwnedStack, fault: str, settings: ChaosSetting
     stack.restart(KILLED[fault])
     figures += await _judge_indexes(stack, fault, settings, time.monotonic(), before)
     await load
-    return [*_lost_figures(fault, run.outcomes), *figures]
+    return [*lost_figures(fault, run.outcomes), *figures]
 
 
 async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
@@ -141,7 +142,7 @@ async def pod_stop(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
         stack.pause(STOPPED_POD, False)
     figures = await _judge_indexes(stack, "pod-stop", settings, time.monotonic(), before)
     await load
-    return [*_lost_figures("pod-stop", run.outcomes), *figures]
+    return [*lost_figures("pod-stop", run.outcomes), *figures]
 
 
 Rss = dict[str, tuple[int | None, int | None]]  # picker -> its pid and resident bytes
@@ -302,7 +303,7 @@ async def gray_pod(stack: OwnedStack, settings: ChaosSettings) -> list[Figure]:
                f"{len(failed) - len(held)}"
                + (f" ({LoadRun.causes([o for o in failed if o not in held])})"
                   if len(failed) > len(held) else ""), "0", len(failed) == len(held)),
-        _lost_figures("gray-pod", run.outcomes)[1],  # answers naming another model
+        lost_figures("gray-pod", run.outcomes)[1],  # answers naming another model
     ]
     if warm is None or end is None:
         return [Figure("gray-pod", "pickers' request counters", "unreadable", "readable",

@@ -147,6 +147,12 @@ def _one_sim_per_pod(specs: list[ChildSpec], plan: StackPlan,
     return split
 
 
+def _with_picker_args(specs: list[ChildSpec], picker_args: list[str]) -> list[ChildSpec]:
+    """``specs`` with ``picker_args`` added to every picker's flags (last: they override)."""
+    return [ChildSpec(spec.name, [*spec.argv, *picker_args], spec.env)
+            if spec.name.startswith("picker-") else spec for spec in specs]
+
+
 def _witness(plan: StackPlan) -> BlockWitness:
     """A witness of every simulated pod's KV-event PUB socket."""
     return BlockWitness({pod.name: f"tcp://{LOOPBACK}:{plan.ports.kv_event_ports(pod.port)[0]}"
@@ -157,7 +163,8 @@ def _witness(plan: StackPlan) -> BlockWitness:
 async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
                     ready_timeout: float = 60.0, state_dir: Path | None = None,
                     response_timeout: float = 120.0, witness: bool = False,
-                    replay_buffer: int | None = None) -> AsyncIterator[OwnedStack]:
+                    replay_buffer: int | None = None,
+                    picker_args: tuple[str, ...] = ()) -> AsyncIterator[OwnedStack]:
     """Start a stack on free loopback ports, wait until it serves, stop it all on exit.
 
     ``response_timeout`` is ``lig up --response-timeout``: how long Envoy waits for a silent pod.
@@ -165,7 +172,8 @@ async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
     events as the pods start, and the stack is handed over only once it is connected to all of
     them: no batch a request causes can be published before the witness hears it.
     ``replay_buffer`` is each pod's KV-event replay buffer in batches (the simulator's default,
-    vLLM's 10,000, when None).
+    vLLM's 10,000, when None). ``picker_args`` are more ``lig picker`` flags for every picker
+    (the soak's index bounds).
     """
     with contextlib.ExitStack() as cleanup:
         if state_dir is None:
@@ -177,7 +185,8 @@ async def own_stack(pods: int = 4, pickers: int = 2, sim_args: str = "",
         supervisor = Supervisor(state_dir / "logs")
         stack = OwnedStack(plan, supervisor)
         try:
-            for spec in _one_sim_per_pod(plan.children(), plan, replay_buffer):
+            specs = _one_sim_per_pod(plan.children(), plan, replay_buffer)
+            for spec in _with_picker_args(specs, list(picker_args)):
                 supervisor.start(spec)
             if witness:
                 stack.witness = _witness(plan)

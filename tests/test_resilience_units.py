@@ -1,6 +1,7 @@
 """The chaos tool's judgements without a stack: how a streamed answer is read (a chunk naming
 another model, a stream cut before ``data: [DONE]``), and how a picker's precise index is judged
-against the witness's truth."""
+against the witness's truth; the soak's unique prompts and its memory growth over the last
+third."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import httpx
 import pytest
 
 from resilience.chaos import index_figure
-from resilience.load import LoadRun, _one
+from resilience.load import LoadRun, _one, unique_prompt
+from resilience.soak import GROWTH_TARGET_PCT, growth_pct, last_third, memory_figures
 from resilience.stack import SPLIT_MODEL
+from scheduling.prefix_hash import BLOCK_BYTES
+from simulator.tokenizer import WORDS, encode
 
 
 def _sse(*models: str, done: bool = True) -> bytes:
@@ -63,3 +67,25 @@ def test_the_state_before_the_fault_is_shown() -> None:
 def test_an_unreadable_picker_misses() -> None:
     figure = index_figure("nats", "picker-1", None, 100, 10.0)
     assert (figure.value, figure.passed) == ("metrics unreadable", False)
+
+
+def test_unique_prompts_share_not_even_their_first_block() -> None:
+    prompts = [unique_prompt(index, 64) for index in (0, 1, len(WORDS), len(WORDS) ** 3, 10**6)]
+    assert all(len(encode(prompt)) == 64 for prompt in prompts)  # one token a word
+    assert len({encode(prompt)[:4] for prompt in prompts}) == len(prompts)
+    assert unique_prompt(7, 64) == unique_prompt(7, 64)  # the same run twice sends the same
+    assert len(unique_prompt(0)) > 8 * BLOCK_BYTES  # many approximate-index entries each
+
+
+def test_the_last_third_is_judged_from_its_own_start() -> None:
+    mib = 1 << 20
+    samples = [(float(t), (50 + t) * mib) for t in range(7)]  # grows over the first two thirds
+    samples += [(7.0, 56 * mib), (8.0, 57 * mib), (9.0, 56 * mib)]
+    assert last_third(samples) == [56 * mib, 56 * mib, 57 * mib, 56 * mib]  # t >= 6
+    assert growth_pct(last_third(samples)) == pytest.approx(100 / 56)
+    growth, = (f for f in memory_figures("picker-0", samples, 9.0) if "last third" in f.name)
+    assert growth.passed is True and growth.value.startswith("+1.8% (56.0 MiB -> peak 57.0")
+    assert growth_pct([100, 100 + GROWTH_TARGET_PCT + 1]) == pytest.approx(3.0)
+    assert growth_pct([100]) is None and growth_pct([]) is None
+    missing, = memory_figures("picker-1", [], 9.0)
+    assert missing.passed is False

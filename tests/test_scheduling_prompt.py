@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from scheduling import PolicyConfigError, build_policy
 from scheduling.prefix_hash import BLOCK_BYTES, MAX_BLOCKS, prefix_hashes
@@ -20,6 +21,7 @@ from scheduling.prompt import (
 )
 from scheduling.types import PodView, SchedulingRequest
 from services.picker.load_estimate import UnreportedLoad, picker_views
+from services.picker.observability import PickerMetrics
 from shared.schemas import Criticality, PolicyConfig
 
 LONG = "You are a careful assistant. " * 600  # ~17,400 characters
@@ -105,6 +107,15 @@ def test_index_is_lru_bounded_and_a_pod_needs_every_earlier_block() -> None:
     assert index.match([2]) == {"a": 1}
     assert index.match([10, 11]) == {}
     assert PrefixIndex(0).match([1]) == {}
+
+
+def test_the_picker_exports_each_pools_entries() -> None:
+    index = PrefixIndex(4)
+    index.record("a", [1, 2, 3, 4, 5])
+    prometheus = CollectorRegistry()
+    metrics = PickerMetrics(prometheus)
+    metrics.prefix.indexes = lambda: {"pool": index}
+    assert prometheus.get_sample_value("lig_picker_prefix_index_entries", {"pool": "pool"}) == 4
 
 
 def test_forget_drops_a_pod_everywhere() -> None:

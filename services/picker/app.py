@@ -248,6 +248,9 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
     metrics.precise.indexes = lambda: {
         pool: router.precise for pool, router in gateway.routers.items()
         if router.precise.max_blocks}
+    metrics.prefix.indexes = lambda: {
+        pool: router.prefixes for pool, router in gateway.routers.items()
+        if router.prefixes.max_entries}
     processor = Processor(gateway, metrics, settings.destination_header,
                           record_responses=settings.record_responses,
                           conformance=settings.conformance_test_headers)

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduling.precise_index import PreciseIndex
+from scheduling.prefix_index import PrefixIndex
 from services.picker.responses import Usage
 from services.picker.state import Freshness, PodTable
 
@@ -122,6 +123,8 @@ class PickerMetrics:
             ["reason"], registry=prometheus)
         self.precise = PreciseIndexCollector()
         prometheus.register(self.precise)
+        self.prefix = PrefixIndexCollector()
+        prometheus.register(self.prefix)
         # Prefix-cache reuse, predicted and observed over the same requests (those whose
         # response reported cached_tokens), so that their ratio tells how right the prefix
         # index is (docs/scheduling.md, "Is the prefix index right?").
@@ -287,3 +290,23 @@ class PreciseIndexCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield skipped
+
+
+class PrefixIndexCollector(Collector):
+    """``lig_picker_prefix_index_entries{pool}``: the block hashes each served pool's approximate
+    prefix index (``scheduling/prefix_index.py``) holds, read when scraped (its hot path touches
+    no Prometheus object), so that a soak can see it fill up to ``--prefix-index-entries`` and
+    stay there. ``indexes`` gives each served pool's index (set once the gateway exists). Served
+    by a single-process picker (``--workers 1``)."""
+
+    def __init__(self) -> None:
+        self.indexes: Callable[[], dict[str, PrefixIndex]] = dict
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One sample per pool."""
+        family = GaugeMetricFamily(
+            "lig_picker_prefix_index_entries", "Block hashes the approximate prefix index "
+            "holds (at most --prefix-index-entries)", labels=["pool"])
+        for pool, index in list(self.indexes().items()):
+            family.add_metric([pool], len(index))
+        yield family
