@@ -24,9 +24,9 @@ from collections import Counter
 
 import httpx
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
 from resilience.load import KV_MIX, LoadRun, Outcome, steady_load
+from resilience.picker_metrics import picker_samples
 from resilience.procinfo import rss_bytes
 from resilience.report import Figure
 from resilience.stack import OwnedStack
@@ -178,18 +178,15 @@ def _rss_figure(fault: str, before: Rss, after: Rss) -> Figure:
 async def precise_state(url: str) -> State:
     """A picker's precise index over its pools from its ``/metrics``: blocks held and pods
     marked incomplete; None when it cannot be read."""
+    samples = await picker_samples(url)
+    if samples is None:
+        return None
     blocks = incomplete = 0
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-        try:
-            page = (await client.get(url)).text
-        except httpx.HTTPError:
-            return None
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name == "lig_picker_precise_blocks":
-                blocks += int(sample.value)
-            elif sample.name == "lig_picker_precise_incomplete_pods":
-                incomplete += int(sample.value)
+    for sample in samples:
+        if sample.name == "lig_picker_precise_blocks":
+            blocks += int(sample.value)
+        elif sample.name == "lig_picker_precise_incomplete_pods":
+            incomplete += int(sample.value)
     return blocks, incomplete
 
 
@@ -250,17 +247,14 @@ async def routed_by_pod(urls: list[str]) -> Counter[str] | None:
     """Requests every picker routed, by pod, from their ``/metrics``; None if one is
     unreadable (a partial sum would distort the shares)."""
     counts: Counter[str] = Counter()
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-        for url in urls:
-            try:
-                page = (await client.get(url)).text
-            except httpx.HTTPError:
-                return None
-            for family in text_string_to_metric_families(page):
-                for sample in family.samples:
-                    if (sample.name == "lig_picker_requests_total"
-                            and sample.labels.get("outcome") == "routed"):
-                        counts[sample.labels.get("pod", "")] += int(sample.value)
+    for url in urls:
+        samples = await picker_samples(url)
+        if samples is None:
+            return None
+        for sample in samples:
+            if sample.name == "lig_picker_requests_total" \
+                    and sample.labels.get("outcome") == "routed":
+                counts[sample.labels.get("pod", "")] += int(sample.value)
     return counts
 
 

@@ -19,12 +19,11 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-import httpx
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
 from resilience.chaos import lost_figures
 from resilience.load import UNIQUE, UNIQUE_PROMPT_TOKENS, LoadRun, steady_load
+from resilience.picker_metrics import picker_samples
 from resilience.procinfo import rss_bytes
 from resilience.report import Figure
 from resilience.stack import OwnedStack
@@ -99,16 +98,13 @@ async def _sample_rss(pids: dict[str, int | None], seconds: float) -> dict[str, 
 async def index_sizes(url: str) -> dict[str, int] | None:
     """A picker's index sizes from its ``/metrics`` (:data:`INDEX_SAMPLES`, summed over its
     pools); None when it cannot be read."""
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-        try:
-            page = (await client.get(url)).text
-        except httpx.HTTPError:
-            return None
+    samples = await picker_samples(url)
+    if samples is None:
+        return None
     sizes = dict.fromkeys(INDEX_SAMPLES.values(), 0)
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name in INDEX_SAMPLES:
-                sizes[INDEX_SAMPLES[sample.name]] += int(sample.value)
+    for sample in samples:
+        if sample.name in INDEX_SAMPLES:
+            sizes[INDEX_SAMPLES[sample.name]] += int(sample.value)
     return sizes
 
 

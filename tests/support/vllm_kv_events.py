@@ -18,7 +18,6 @@ without a wheel).
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 import sys
@@ -27,21 +26,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from simulator.kv_events import KVEventsConfig
+
 SOURCE = "vllm/distributed/kv_events.py"
-
-
-@dataclasses.dataclass
-class _KVEventsConfig:
-    """Stand-in for ``vllm.config.kv_events.KVEventsConfig`` (the publisher only records it)."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
 
 
 def _split_zmq_path(path: str) -> tuple[str, str, str]:
@@ -60,7 +47,8 @@ def _is_ipv6(address: str) -> bool:
 def _stand_ins() -> dict[str, types.ModuleType]:
     """The modules vLLM's file imports, reduced to what it uses."""
     config = types.ModuleType("vllm.config.kv_events")
-    config.KVEventsConfig = _KVEventsConfig  # type: ignore[attr-defined]
+    # The publisher only records it; the simulator's copy of vLLM's config has its fields.
+    config.KVEventsConfig = KVEventsConfig  # type: ignore[attr-defined]
     logger = types.ModuleType("vllm.logger")
     logger.init_logger = logging.getLogger  # type: ignore[attr-defined]
     network = types.ModuleType("vllm.utils.network_utils")
