@@ -100,8 +100,8 @@ async def test_every_attack_and_some_faults_run_and_report() -> None:
 def test_the_command_line_explains_itself(capsys: pytest.CaptureFixture[str]) -> None:
     result = subprocess.run([sys.executable, "-m", "resilience", "--help"],
                             capture_output=True, text=True, timeout=30, check=True)
-    assert "{attack,chaos}" in result.stdout
-    for tool in ("attack", "chaos"):
+    assert "{attack,chaos,soak}" in result.stdout
+    for tool in ("attack", "chaos", "soak"):
         with pytest.raises(SystemExit) as help_exit:
             main([tool, "--help"])
         assert help_exit.value.code == 0

@@ -6,7 +6,11 @@ Without the tokenizer the pickers keep the approximate index, which cannot know.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -14,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lig.topology import BASE_MODEL
-from tests.support.lig_up import RunningStack, lig_up
+from tests.support.lig_up import STATUS_STALE_AFTER, RunningStack, lig_up
 from tests.support.waiting import wait_until
 from tests.test_precise_routing_e2e import PREFIX_WORDS, QUESTIONS, chat, prefix
 
@@ -58,6 +62,18 @@ def precise(stack: RunningStack, name: str) -> float:
     return 0.0
 
 
+def idle_since(stack: RunningStack, index: int, since: float) -> bool:
+    """Whether the latest snapshot of pod ``index`` (``lig status``) was scraped after
+    ``since`` (wall clock) and shows it idle."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lig.cli", "status", "--state-dir", str(stack.state_dir),
+         *STATUS_STALE_AFTER, "--json"], capture_output=True, text=True, timeout=30)
+    pods = {pod["pod"]: pod for pod in json.loads(result.stdout)["pods"]}
+    pod = pods.get(f"vllm-{index}")
+    return pod is not None and pod["age_s"] is not None \
+        and time.time() - pod["age_s"] > since and not pod["waiting"] and not pod["running"]
+
+
 def test_a_prefix_warmed_on_a_pod_draws_its_requests_there(stack: RunningStack) -> None:
     urls = pod_urls(stack)
     picker_row = next(line for line in stack.lines if line.lstrip().startswith("picker-0 "))
@@ -69,11 +85,17 @@ def test_a_prefix_warmed_on_a_pod_draws_its_requests_there(stack: RunningStack) 
             warm = httpx.post(url + "/v1/chat/completions", timeout=30.0,
                               json=chat(BASE_MODEL, system, "warm up"))
             assert warm.status_code == 200, warm.text
+            warmed = time.time()
             # Until the pod's events reach the picker a request may go elsewhere: wait until
             # its precise index took the prefix's blocks.
             wait_until(lambda stored=stored: precise(stack, "blocks_stored_total")
                        >= stored + PREFIX_WORDS // 16,
                        within=20, what=f"the blocks of pod {group} in the picker's index")
+            # And until the pickers' view of the pod was scraped after the warm-up: a snapshot
+            # taken during it shows a busy pod (the test stacks scrape every 1.25 s), which the
+            # policy's queue filter may pass over.
+            wait_until(lambda group=group, warmed=warmed: idle_since(stack, group, warmed),
+                       within=20, what=f"a snapshot of pod {group} after its warm-up")
             before = [served(u) for u in urls]
             for question in range(QUESTIONS):
                 response = gateway.post("/v1/chat/completions", json=chat(
