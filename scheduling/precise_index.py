@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import islice, takewhile
 
 from scheduling.token_blocks import block_keys, root_key
@@ -91,7 +91,7 @@ _HASH_MASK = (1 << 60) - 1
 _GPU = frozenset({None, "GPU", "gpu"})
 _MAX_BLOCK_SIZE = 4096  # tokens (what lig kv-events accepts; NATS input is checked again)
 _CLEARED = AllBlocksCleared()
-_NO_PODS: set[str] = set()
+_NO_PODS: frozenset[str] = frozenset()
 _MAX_LORA_NAMES = 4096  # adapters remembered from events (a bound on what events can grow)
 # KV-cache group kinds that hold every block of a cached prefix (vLLM's KVCacheSpecKind): their
 # block size is the one prompts are cut by.
@@ -433,9 +433,10 @@ class PreciseIndex:
         pod.incomplete[dp_rank] = self._clock() + self.recovery_s
         self._incomplete[pod.name] = pod
 
-    def incomplete_pods(self, now: float | None = None) -> set[str]:
+    def incomplete_pods(self, now: float | None = None) -> Collection[str]:
         """The pods with a rank whose state is incomplete at ``now`` (the clock's time by
-        default): score them from the approximate index as well."""
+        default): score them from the approximate index as well. A live view, not a copy:
+        the router asks on every request."""
         if not self._incomplete:
             return _NO_PODS
         now = self._clock() if now is None else now
@@ -448,7 +449,7 @@ class PreciseIndex:
                 gone.append(name)
         for name in gone:
             del self._incomplete[name]
-        return set(self._incomplete)
+        return self._incomplete.keys()
 
     def _evict(self) -> None:
         """Drop blocks until the bound holds: the oldest stored of the rank holding the most."""
