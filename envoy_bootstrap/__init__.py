@@ -11,6 +11,7 @@ from envoy_bootstrap.render import (
     envoy_config,
     ext_proc_filter,
     render_envoy_config,
+    routing_filters,
     template_text,
     use_body_mode,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "envoy_config",
     "ext_proc_filter",
     "render_envoy_config",
+    "routing_filters",
     "template_text",
     "use_body_mode",
 ]

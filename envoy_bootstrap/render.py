@@ -19,6 +19,8 @@ import yaml
 from shared import ports
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# The second routing filter, for requests whose picker failed before routing them.
+FALLBACK_FILTER = "lig.routing_fallback"
 # How the routing filter sends bodies to the picker (``body_mode``): BUFFERED (the shipped one,
 # measured fastest: bench/bench_picker.py --body-mode), STREAMED (the picker turns the request
 # body into BUFFERED with a mode override), FULL_DUPLEX_STREAMED (as Gateway API gateways and
@@ -84,6 +86,9 @@ def envoy_config(
     for removal in removals:
         if removal.get("remove") == DESTINATION_HEADER:
             removal["remove"] = destination_header
+    fallback = _gateway_filter(config, FALLBACK_FILTER)["xds_matcher"]["matcher_list"]["matchers"]
+    fallback[0]["predicate"]["single_predicate"]["input"]["typed_config"]["header_name"] = (
+        destination_header)
     picker = _named(resources["clusters"], "picker")
     picker["load_assignment"]["endpoints"] = [{"lb_endpoints": [
         {"endpoint": {
@@ -113,14 +118,14 @@ def use_body_mode(config: dict[str, Any], body_mode: str) -> None:
     and only Envoy's own rewrite then restores it."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"unknown body mode {body_mode!r}; one of {', '.join(BODY_MODES)}")
-    routing = ext_proc_filter(config)
-    mode = routing["processing_mode"]
-    mode["request_body_mode"] = body_mode
-    if body_mode != "FULL_DUPLEX_STREAMED":
-        return
-    mode.update(response_header_mode="SEND", response_body_mode=body_mode,
-                request_trailer_mode="SEND", response_trailer_mode="SEND")
-    routing["allow_mode_override"] = False
+    for routing in routing_filters(config):
+        mode = routing["processing_mode"]
+        mode["request_body_mode"] = body_mode
+        if body_mode != "FULL_DUPLEX_STREAMED":
+            continue
+        mode.update(response_header_mode="SEND", response_body_mode=body_mode,
+                    request_trailer_mode="SEND", response_trailer_mode="SEND")
+        routing["allow_mode_override"] = False
 
 
 def _use_tls(cluster: dict[str, Any], tls: PickerTls) -> None:
@@ -169,6 +174,13 @@ _NoAliases.add_representer(
 def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any]:
     """The ext_proc filter's ``typed_config`` inside ``config`` (to adjust processing modes)."""
     return _gateway_filter(config, "envoy.filters.http.ext_proc")
+
+
+def routing_filters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``typed_config`` of both ext_proc filters inside ``config``: the routing filter and
+    the fallback that routes again a request whose picker failed before answering."""
+    fallback = _gateway_filter(config, FALLBACK_FILTER)["extension_config"]["typed_config"]
+    return ext_proc_filter(config), fallback
 
 
 def _gateway_filter(config: dict[str, Any], name: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from envoy_bootstrap import (
     envoy_config,
     ext_proc_filter,
     render_envoy_config,
+    routing_filters,
     template_text,
 )
 from lig.server_binaries import server_binary
@@ -38,10 +39,10 @@ def test_shipped_bootstrap_is_valid_and_keeps_the_contract() -> None:
     config = yaml.safe_load(template_text())
     ext_proc = ext_proc_filter(config)
     # Fail closed without failing open: a client's destination header is dropped before the
-    # picker is asked, so a request the picker did not route has no destination (503).
+    # picker is asked, so a request no picker routed has no destination (503).
     assert ext_proc["failure_mode_allow"] is True
-    (first, _, routing, *_) = config["static_resources"]["listeners"][0]["filter_chains"][0][
-        "filters"][0]["typed_config"]["http_filters"]
+    (first, _, routing, fallback, *_) = config["static_resources"]["listeners"][0][
+        "filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     assert first["name"] == "envoy.filters.http.header_mutation"
     assert {"remove": "x-gateway-destination-endpoint"} in first["typed_config"]["mutations"][
         "request_mutations"]
@@ -50,6 +51,16 @@ def test_shipped_bootstrap_is_valid_and_keeps_the_contract() -> None:
     assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ext_proc["message_timeout"].endswith("s")
+    # A request its picker failed to route (no destination yet) is routed again, as the first
+    # filter would have: same pickers, same modes; every other request skips the fallback.
+    assert fallback["name"] == "lig.routing_fallback"
+    (skip,) = fallback["typed_config"]["xds_matcher"]["matcher_list"]["matchers"]
+    assert skip["predicate"]["single_predicate"]["input"]["typed_config"]["header_name"] == (
+        "x-gateway-destination-endpoint")
+    assert skip["on_match"]["action"]["name"] == "skip"
+    again = fallback["typed_config"]["extension_config"]["typed_config"]
+    assert routing_filters(config) == (ext_proc, again)
+    assert {key: value for key, value in again.items() if key != "stat_prefix"} == ext_proc
     gateway = config["static_resources"]["listeners"][0]
     assert gateway["per_connection_buffer_limit_bytes"] > 1 << 20
 
@@ -116,7 +127,8 @@ def test_envoy_itself_puts_the_model_back_only_for_rewritten_requests() -> None:
     # way out, where no filter holds the headers while it changes chunks (setBytes also sets
     # content-length on them).
     assert names == ["envoy.filters.http.header_mutation", "lig.response_rewrite",
-                     "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+                     "envoy.filters.http.ext_proc", "lig.routing_fallback",
+                     "envoy.filters.http.router"]
     filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
     routing = filters["envoy.filters.http.ext_proc"]
     assert routing["metadata_options"]["receiving_namespaces"]["untyped"] == ["lig"]
@@ -169,6 +181,7 @@ def test_each_body_mode_renders_a_valid_bootstrap(tmp_path: Path, body_mode: str
                           pickers=[PickerEndpoint("127.0.0.1")], body_mode=body_mode)
     mode = ext_proc_filter(config)["processing_mode"]
     assert mode["request_body_mode"] == body_mode
+    assert [f["processing_mode"] for f in routing_filters(config)] == [mode, mode]
     names = [f["name"] for f in config["static_resources"]["listeners"][0]["filter_chains"][0][
         "filters"][0]["typed_config"]["http_filters"]]
     if body_mode == "FULL_DUPLEX_STREAMED":

@@ -1,5 +1,6 @@
 """No answer names another model, whatever dies: a picker SIGKILLed while rewritten responses
-stream, through a real Envoy, two real ``lig picker`` processes, NATS and simulated vLLM pods.
+stream, through a real Envoy, two real ``lig picker`` processes, NATS and simulated vLLM pods;
+and no request is lost with a picker that fails before routing it (killed or hung).
 
 The registry sends ``tweet-summary`` to the target ``tweet-summary-1`` (the pods' model), so the
 pods answer with the target's name and the gateway must put the requested one back: in every
@@ -162,6 +163,82 @@ def test_a_picker_killed_mid_stream_leaves_no_answer_naming_the_target(
         # The rewrite no longer depends on any picker after routing: all are restored.
         assert outcomes == ["restored"] * len(answers), outcomes
     finally:
+        feed.stop()
+
+
+def _slow_send(url: str, answer: Answer, release: threading.Event) -> None:
+    """As :func:`_send` for a JSON completion whose body arrives in two parts: the second once
+    ``release`` is set, so that its ext_proc stream is open on a picker meanwhile."""
+    head, tail = msgspec.json.encode({"model": REQUESTED, "max_tokens": 4,
+                                      "prompt": "summarize this tweet"}).split(b'"prompt"')
+
+    def body() -> Iterator[bytes]:
+        yield head
+        release.wait(60)
+        yield b'"prompt"' + tail
+
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            response = client.post(answer.path, content=body(),
+                                   headers={"content-type": "application/json"})
+        answer.status, answer.body = response.status_code, response.content
+        answer.request_id = response.headers.get("x-request-id", "")
+    except httpx.HTTPError as error:
+        answer.failure = repr(error)
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_requests_a_picker_held_when_it_failed_are_routed_by_another(
+        nats_server: NatsServer, simulated_pods: Callable[..., SimulatedPods],
+        picker_process: Callable[..., PickerProcess],
+        envoy_gateway: Callable[..., EnvoyProcess], fault: signal.Signals) -> None:
+    """A picker that dies (or hangs past Envoy's message timeout) with requests it has not
+    routed yet: Envoy routes each again on the other picker (the bootstrap's fallback filter)
+    instead of sending it nowhere (503), and the answer still names the requested model."""
+    pods = simulated_pods(2, model=TARGET)
+    feed = FleetFeed(nats_server.url, POOL, interval=0.1).start()
+    pickers: list[PickerProcess] = []
+    try:
+        feed.set_pool()
+        feed.set_model(REQUESTED, target_models=[{"name": TARGET, "weight": 1}])
+        members = {f"pod-{i}": pods.address(i) for i in range(2)}
+        feed.set_endpoints(members)
+        feed.set_many({name: (address, dict(IDLE)) for name, address in members.items()})
+        pickers = [picker_process(POOL, nats_server.url, stale_after=3.0).wait_ready()
+                   for _ in range(2)]
+        probe = msgspec.json.encode({"model": REQUESTED, "prompt": "hi"})
+        for picker in pickers:
+            wait_until(lambda p=picker: route_sync(p.grpc_port, probe).rewrite == REQUESTED,
+                       within=20, what="the picker rewrites tweet-summary")
+        envoy = envoy_gateway([p.endpoint for p in pickers])
+
+        release = threading.Event()
+        answers = [Answer("/v1/completions", stream=False) for _ in range(IN_FLIGHT)]
+        clients = [threading.Thread(target=_slow_send, args=(envoy.url, a, release))
+                   for a in answers]
+        for client in clients:
+            client.start()
+        # Every request's stream is open (round robin: half on each picker), its headers
+        # answered, its body not yet complete.
+        wait_until(lambda: envoy.stats("http.gateway.ext_proc.streams_started").get(
+            "http.gateway.ext_proc.streams_started", 0) >= IN_FLIGHT,
+            within=20, what="every request's ext_proc stream open")
+        pickers[0].signal(fault)
+        if fault == signal.SIGKILL:
+            pickers[0].wait(5)
+        release.set()
+        for client in clients:
+            client.join(60)
+        assert not any(client.is_alive() for client in clients)
+        assert [(a.status, a.failure) for a in answers] == [(200, "")] * len(answers), (
+            answers, envoy.stats("http.gateway.ext_proc"))
+        assert [_judge_json(a) for a in answers] == ["restored"] * len(answers)
+        fallback = "http.gateway.ext_proc.lig_routing_fallback.streams_started"
+        # The requests the failed picker held, and no others, were routed again.
+        assert 0 < envoy.stats(fallback).get(fallback, 0) < IN_FLIGHT
+    finally:
+        if pickers and fault == signal.SIGSTOP:
+            pickers[0].signal(signal.SIGCONT)
         feed.stop()
 
 
