@@ -43,8 +43,10 @@ its own tier).
 
 Knowing when it is wrong: every message of ``lig kv-events`` carries ``stream_seq``, numbered
 without gaps per pod and rank. A message lost on the way (a gap in ``stream_seq``), a resync
-marker (the bridge lost vLLM batches), or a history that does not start at the stream's start
-marks the rank **incomplete** for ``recovery_s`` seconds from the last such cause:
+marker (the bridge lost vLLM batches), a history that does not start at the stream's start, or
+a block stored on a parent the index does not hold (the engine holds it: a prefix the index
+missed, as after a resync while the prefix stays cached) marks the rank **incomplete** for
+``recovery_s`` seconds from the last such cause:
 :meth:`PreciseIndex.incomplete_pods` lists the pods with an incomplete rank, and the router scores
 them from the approximate index as well (the better of the two counts). An engine restart (the
 bridge's restart marker: ``AllBlocksCleared`` without ``resync``) empties the rank for real, which
@@ -56,8 +58,9 @@ content hashes (chained, salted per engine process), so a hash that was a block'
 block's: blocks stored after a resync on top of a prefix cached before it are filed (counted as
 ``recovered``) instead of skipped for an unknown parent. A restarted engine's new hashes never
 meet the old ones. A prefix cached before a resync and not stored again stays unknown until vLLM
-announces it: at its next hit in vLLM's full report mode, or when it is evicted and recomputed;
-the recovery window covers that time (docs/kv-events.md).
+announces it: at its next hit in vLLM's full report mode, or when it is evicted and recomputed.
+Until then every block stored on top of it renews the rank's incomplete mark, so wholeness is
+observed, not assumed once ``recovery_s`` has passed (docs/kv-events.md).
 
 Hard memory bound: at most ``max_blocks`` (rank, engine hash) entries; beyond it the oldest
 stored blocks of the rank holding the most are evicted (the engine's own eviction, announced by
@@ -298,8 +301,7 @@ class PreciseIndex:
                 cache = groups.get(group)
                 if cache is None:
                     cache = groups[group] = _Rank()
-                self._store(pod, cache, groups, op,  # type: ignore[arg-type]
-                            pod.former.get(dp_rank))
+                self._store(pod, dp_rank, cache, groups, op)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 self._remove(pod, groups.get(op.group_idx), op)  # type: ignore[union-attr, arg-type]
             else:  # AllBlocksCleared
@@ -307,8 +309,8 @@ class PreciseIndex:
         if self._live > self.max_blocks:
             self._evict()
 
-    def _store(self, pod: _Pod, rank: _Rank, groups: dict[int, _Rank], op: BlockStored,
-               former: dict[int, int] | None) -> None:
+    def _store(self, pod: _Pod, dp_rank: int, rank: _Rank, groups: dict[int, _Rank],
+               op: BlockStored) -> None:
         hashes = op.block_hashes
         skipped = self.stats.skipped
         if op.medium not in _GPU:
@@ -327,13 +329,18 @@ class PreciseIndex:
             if found is None:  # another group of the rank may still hold it (sliding window)
                 found = next((other.blocks[masked_parent] for other in groups.values()
                               if masked_parent in other.blocks), None)
-            if found is None and former:  # held before a clear: the hash still names it
-                found = former.get(masked_parent)
-                if found is not None:
-                    self.stats.recovered += len(hashes)
             if found is None:
-                skipped["parent"] += len(hashes)
-                return
+                # The engine holds the parent (a block was just stored on it) and the index
+                # does not: evidence that the rank's state is incomplete, renewed for as long
+                # as traffic keeps meeting what the index misses.
+                self._mark_incomplete(pod, dp_rank)
+                former = pod.former.get(dp_rank)
+                if former:  # held before a clear: the hash still names it
+                    found = former.get(masked_parent)
+                if found is None:
+                    skipped["parent"] += len(hashes)
+                    return
+                self.stats.recovered += len(hashes)
             seed = found
         if not op.token_ids:
             skipped["no_tokens"] += len(hashes)

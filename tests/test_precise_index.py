@@ -335,6 +335,31 @@ def test_after_a_resync_blocks_built_on_a_prefix_from_before_it_are_recovered() 
     assert len(index) == 4
 
 
+def test_blocks_stored_on_a_parent_the_index_misses_keep_the_pod_incomplete() -> None:
+    """Wholeness is observed: after a resync, every block stored on a prefix the index lost
+    (recovered from the former map, or skipped for an unknown parent) renews the incomplete
+    mark; the mark ends only after a recovery window with no such block."""
+    clock = Clock()
+    index = PreciseIndex(100, clock=clock, recovery_s=60.0)
+    index.apply(numbered("a", 0, stored((11, 12), None, PROMPT[:2 * BS])))
+    index.apply(numbered("a", 1, AllBlocksCleared(), resync=True, source_seq=-1))
+    clock.now += 50.0
+    index.apply(numbered("a", 2, stored((13,), 12, PROMPT[2 * BS:3 * BS])))  # recovered
+    clock.now += 50.0
+    assert index.incomplete_pods() == {"a"}  # 100 s after the resync, 50 after the evidence
+    index.apply(numbered("a", 3, stored((99,), 98, PROMPT[:BS])))  # a parent never seen
+    assert index.stats.skipped["parent"] == 1
+    clock.now += 59.0
+    assert index.incomplete_pods() == {"a"}
+    # The prefix announced again (a full-report hit, or recomputed): whole once the window
+    # passes with nothing missing.
+    index.apply(numbered("a", 4, stored((11, 12), None, PROMPT[:2 * BS])))
+    index.apply(numbered("a", 5, stored((14,), 13, PROMPT[3 * BS:4 * BS])))
+    clock.now += 1.0
+    assert index.incomplete_pods() == set()
+    assert index.match(KEYS) == {"a": 4}
+
+
 def test_the_former_maps_stay_within_the_bound() -> None:
     index = PreciseIndex(6)
     for pod in "abc":

@@ -107,7 +107,8 @@ class PickerSettings(msgspec.Struct, frozen=True):
         = DEFAULT_SPECULATIVE_TTL
     precise_recovery_s: Annotated[float, option(
         "seconds a pod's precise index state counts as incomplete after KV block changes were "
-        "lost on the way (a gap in lig kv-events' numbering) or the bridge resynced the pod: "
+        "lost on the way (a gap in lig kv-events' numbering), the bridge resynced the pod, or "
+        "the pod stored a block on a prefix the index does not hold (renewed at each): "
         "meanwhile the pod is also scored from the approximate index (the better count wins); "
         "an engine restart ends it at once", flag="--precise-recovery", metavar="SECONDS",
         ge=0)] = DEFAULT_RECOVERY_S
