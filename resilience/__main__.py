@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -31,6 +32,10 @@ def _stack_flags(parser: argparse.ArgumentParser) -> None:
                        help="more `lig sim` flags for a started stack's pods, in one string")
     group.add_argument("--ready-timeout", type=float, default=60.0,
                        help="seconds a started stack may take to become ready")
+    group.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                       help="keep a started stack's state here (its services' logs in "
+                            "DIR/logs, to read after the run); default: a temporary folder, "
+                            "removed at the end")
 
 
 def _csv(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
@@ -154,7 +159,8 @@ async def _attack(args: argparse.Namespace) -> int:
     if args.gateway is not None:
         target = attach(args.gateway, args.picker, [])
         return _print(await attack.run_attacks(lambda: target, settings))
-    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout) as stack:
+    async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
+                         state_dir=args.state_dir) as stack:
 
         async def recover(picker: Picker) -> None:
             stack.kill(picker.name)
@@ -174,14 +180,14 @@ async def _chaos(args: argparse.Namespace) -> int:
                          ready_timeout=args.ready_timeout)
     async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
                          response_timeout=settings.response_timeout, witness=True,
-                         replay_buffer=args.replay_buffer) as stack:
+                         replay_buffer=args.replay_buffer, state_dir=args.state_dir) as stack:
         return _print(await chaos.run_chaos(stack, settings))
 
 
 async def _soak(args: argparse.Namespace) -> int:
     settings = _settings(soak.SoakSettings, args, _SOAK_FLAGS)
     async with own_stack(args.pods, args.pickers, args.sim_args, args.ready_timeout,
-                         picker_args=settings.picker_args()) as stack:
+                         picker_args=settings.picker_args(), state_dir=args.state_dir) as stack:
         return _print(await soak.run_soak(stack, settings))
 
 

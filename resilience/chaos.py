@@ -153,7 +153,7 @@ class IndexSnapshot(msgspec.Struct, frozen=True):
     """What the pickers believe and what the pods hold, at one moment."""
 
     states: dict[str, State]  # picker -> its precise index's state
-    truth: int  # the witness's blocks over every pod
+    truths: dict[str, int]  # picker -> the witness's blocks over every pod as it was read
     rss: Rss
 
 
@@ -195,9 +195,18 @@ async def _snapshot(stack: OwnedStack) -> IndexSnapshot | None:
     a witness)."""
     if stack.witness is None:
         return None
-    states = {p.name: await precise_state(p.metrics_url) if p.metrics_url else None
-              for p in stack.target.pickers}
-    return IndexSnapshot(states, stack.witness.report().total, _pickers_rss(stack))
+    witness = stack.witness
+    states: dict[str, State] = {}
+    truths: dict[str, int] = {}
+    for picker in stack.target.pickers:
+        # The truth moves with the load (hundreds of blocks a second): each picker is judged
+        # against it as it was while that picker's metrics were read, not before or after the
+        # other pickers' reads.
+        first = witness.report().total
+        states[picker.name] = (await precise_state(picker.metrics_url) if picker.metrics_url
+                               else None)
+        truths[picker.name] = (first + witness.report().total) // 2
+    return IndexSnapshot(states, truths, _pickers_rss(stack))
 
 
 def _off(blocks: int, truth: int) -> float:
@@ -237,8 +246,8 @@ async def _judge_indexes(stack: OwnedStack, fault: str, settings: ChaosSettings,
     await asyncio.sleep(max(0.0, ended + settings.index_check - time.monotonic()))
     after = await _snapshot(stack)
     assert after is not None  # the same witness as before
-    return [*(index_figure(fault, name, state, after.truth, settings.index_check,
-                           before.states.get(name), before.truth)
+    return [*(index_figure(fault, name, state, after.truths[name], settings.index_check,
+                           before.states.get(name), before.truths.get(name, 0))
               for name, state in after.states.items()),
             _rss_figure(fault, before.rss, after.rss)]
 
