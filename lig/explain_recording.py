@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from lig.explain import ExplainOutput, RequestEntry, explain_output, render
+from lig.explain_output import ExplainOutput, RequestEntry, explain_output, render
 from recording.explain_recorded import RecordedDecision, find
 from recording.fileformat import RecordingError, read_header
 from recording.records import ReadCounts

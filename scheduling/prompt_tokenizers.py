@@ -14,7 +14,8 @@ Each implements :class:`scheduling.token_blocks.PromptTokenizer`. What they agre
 
 Two kinds, chosen by :func:`load_prompt_tokenizer`:
 
-- ``builtin:lig-sim``: the simulator's tokenizer and chat template (``simulator/tokenizer.py``).
+- ``builtin:lig-sim``: ``lig sim``'s tokenizer and chat template
+  (:mod:`scheduling.lig_sim_tokenizer`).
 - a Hugging Face ``tokenizer.json`` (the ``tokenizers`` package) with the chat template of its
   ``tokenizer_config.json`` or ``chat_template.jinja`` (:mod:`scheduling.chat_template`).
 
@@ -45,7 +46,7 @@ import jinja2
 import tokenizers
 import xxhash
 
-import simulator.tokenizer as sim
+import scheduling.lig_sim_tokenizer as sim
 from scheduling.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from scheduling.token_blocks import PromptTokenizer
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 
+from scheduling import lig_sim_tokenizer as tokenizer
 from scheduling.prompt import CompletionPrompt, Message
 from scheduling.token_blocks import PromptTokenizer
-from simulator import tokenizer
 
 _ERROR_TYPES = {
     400: "BadRequestError",
