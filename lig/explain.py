@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -38,6 +37,7 @@ from scheduling import (
 )
 from services.picker.gray_pods import GrayPods
 from services.picker.state import PodTable
+from shared.errors import ConfigError, InputError
 from shared.schemas import DEFAULT_POLICY_NAME, Endpoint, PodMetrics, PolicyConfig
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -65,10 +65,6 @@ class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
     max_tokens: NonNegativeInt = 0
     prefix_blocks: NonNegativeInt = 0
     prefix_hits: dict[str, NonNegativeInt] = {}
-
-
-class InputError(Exception):
-    """A one-line message about a bad input file or flag."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -101,26 +97,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the policy once and print the explanation; 2 on bad input, 1 for a request id the
-    recording does not hold."""
+    """Run the policy once and print the explanation. Raises :class:`ConfigError` or
+    :class:`InputError` (exit 2) on bad flags or files; for a recorded decision see
+    :func:`lig.explain_recording.run_recorded`."""
     if args.recording is not None or args.request_id is not None:
         return _run_recorded(args)
     if args.pods is None or args.request is None:
-        print("lig explain: --pods and --request are required (or --recording FILE "
-              "--request-id ID)", file=sys.stderr)
-        return 2
+        raise ConfigError("--pods and --request are required (or --recording FILE "
+                          "--request-id ID)")
+    pods = _read_pods(args.pods)
+    request = _read(args.request, RequestFile)
+    params = _parse_params(args.param)
     try:
-        pods = _read_pods(args.pods)
-        request = _read(args.request, RequestFile)
-        params = _parse_params(args.param)
         policy = build_policy(PolicyConfig(name=getattr(args, "policy", DEFAULT_POLICY_NAME),
                                            params=params), _rng(args.seed))
-    except InputError as exc:
-        print(f"lig explain: {exc}", file=sys.stderr)
-        return 2
     except PolicyConfigError as exc:
-        print(f"lig explain: --param: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--param: {exc}") from None
     scheduling_request = SchedulingRequest(
         model=request.model,
         target_model=request.target_model or request.model,
@@ -150,12 +142,10 @@ def _run_recorded(args: argparse.Namespace) -> int:
                                       ("--seed", args.seed is not None),
                                       ("--param", args.param)) if value]
     if given:
-        print(f"lig explain: {given[0]} cannot be combined with --recording (the recording "
-              "holds the pods, request, policy and draw)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{given[0]} cannot be combined with --recording (the recording "
+                          "holds the pods, request, policy and draw)")
     if args.recording is None or args.request_id is None:
-        print("lig explain: --recording and --request-id go together", file=sys.stderr)
-        return 2
+        raise ConfigError("--recording and --request-id go together")
     return run_recorded(args.recording, args.request_id, args.json)
 
 
@@ -219,7 +209,7 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise InputError(f"--param {item!r}: expected KEY=VALUE")
+            raise ConfigError(f"--param {item!r}: expected KEY=VALUE")
         try:
             params[key] = msgspec.json.decode(raw)
         except msgspec.DecodeError:

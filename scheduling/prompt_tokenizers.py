@@ -49,6 +49,7 @@ import xxhash
 import scheduling.lig_sim_tokenizer as sim
 from scheduling.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from scheduling.token_blocks import PromptTokenizer
+from shared.errors import ConfigError
 
 log = logging.getLogger("lig.scheduling.tokenizers")
 
@@ -72,7 +73,7 @@ CHUNK_CHARS = 1024
 _CHUNK_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(ConfigError):
     """A tokenizer that cannot be loaded (the message names the file and the reason)."""
 
 

@@ -18,6 +18,7 @@ import msgspec
 from scheduling import lig_sim_tokenizer as tokenizer
 from scheduling.prompt import CompletionPrompt, Message
 from scheduling.token_blocks import PromptTokenizer
+from shared.errors import LigError
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -33,7 +34,7 @@ _ERROR_TYPES = {
 _json = msgspec.json.Encoder()
 
 
-class ApiError(Exception):
+class ApiError(LigError):
     """A request the server answers with an error body."""
 
     def __init__(self, status: int, message: str) -> None:

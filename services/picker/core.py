@@ -30,7 +30,7 @@ from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import DecisionCallback, RecordCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 
 
 class CoreHooks(msgspec.Struct, frozen=True):

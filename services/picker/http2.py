@@ -90,6 +90,7 @@ from typing import Protocol
 import hpack
 
 from services.picker.http2_limits import BufferBudget, Http2Limits, TokenBucket
+from shared.errors import LigError
 from shared.logs import RateLimitedLog
 from shared.waits import wait_set
 
@@ -185,7 +186,7 @@ class StreamHandler(Protocol):
 Handlers = Mapping[bytes, Callable[[], StreamHandler]]  # method path -> a new call's handler
 
 
-class ProtocolFault(Exception):
+class ProtocolFault(LigError):
     """A connection error: answered with GOAWAY and the connection closed."""
 
     def __init__(self, code: int, reason: str) -> None:
