@@ -1,7 +1,8 @@
 """The import graph's shape, read from the source with ``ast`` (nothing is imported).
 
-- The layers the services ship (``scheduling``, ``shared``, ``services``) import none of the tools
-  built on them: a production picker must not load simulator, benchmark or CLI code.
+- The layers the services ship (``protocols``, ``scheduling``, ``shared``, ``services``) import
+  none of the tools built on them: a production picker must not load simulator, benchmark or
+  CLI code; and the protocol code imports no service, scheduling or tool code.
 - No import cycle among the project's modules, nor among its top-level packages. Imports inside
   functions and ``if TYPE_CHECKING:`` blocks count too: deferring an import hides a cycle from
   the interpreter, not from the reader.
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ``bench.*`` without an __init__.py).
 PACKAGES = tuple(sorted(
     {path.parent.name for path in ROOT.glob("*/__init__.py")} | {"bench"}))
-LOWER_LAYERS = ("scheduling", "shared", "services")
+LOWER_LAYERS = ("protocols", "scheduling", "shared", "services")
 TOOLS = ("simulator", "scheduling_bench", "lig", "resilience", "bench", "recording")
 
 
@@ -96,14 +97,25 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_lower_layers_import_no_tool() -> None:
-    """scheduling/, shared/ and services/ ship in every picker, collector and registry; the
-    tools (CLI, simulator, benches, recording, attack tools) are built on them, never under."""
+    """protocols/, scheduling/, shared/ and services/ ship in every picker, collector and
+    registry; the tools (CLI, simulator, benches, recording, attack tools) are built on them,
+    never under."""
     upward = [
         f"{module} imports {name}"
         for module, path in sorted(MODULES.items()) if module.split(".")[0] in LOWER_LAYERS
         for name in sorted(set(_imported_names(module, path))) if name.split(".")[0] in TOOLS
     ]
     assert upward == []
+
+
+def test_protocols_import_only_shared() -> None:
+    """protocols/ is the wire level: the services use it, never the other way round."""
+    allowed = ("protocols", "shared")
+    reaching = [f"{module} imports {target}"
+                for module, targets in sorted(_import_graph().items())
+                if module.split(".")[0] == "protocols"
+                for target in sorted(targets) if target.split(".")[0] not in allowed]
+    assert reaching == []
 
 
 def test_no_import_cycle_among_modules() -> None:
@@ -134,6 +146,7 @@ def test_the_checks_see_the_graph() -> None:
     assert "lig.explain_output" in graph["lig.explain"]
     assert "scheduling.lig_sim_tokenizer" in graph["scheduling.prompt_tokenizers"]
     assert "services.picker.routing" in graph["services.picker.core"]
-    assert {"tests", "lig", "scheduling", "bench"} <= set(PACKAGES)
+    assert "protocols.http2" in graph["services.picker.app"]
+    assert {"tests", "lig", "protocols", "scheduling", "bench"} <= set(PACKAGES)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []

@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from protocols.http2 import END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame
 from services.picker.app import _BuiltinExtProc, _until_stopped_or_lost
 from services.picker.ext_proc import Processor
-from services.picker.http2 import END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.routing import Router

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from services.collector.http_transport import KeepAliveTransport, PageTooLarge, scrape_client
+from protocols.http_transport import KeepAliveTransport, PageTooLarge, scrape_client
 from services.collector.observability import CollectorMetrics
 from services.collector.targets import ScrapeTarget
 from shared.errors import LigError

@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
+from protocols.http2 import Http2Server
 from scheduling.precise_index import PreciseIndex
 from services.picker import core
 from services.picker.batch_sender import BatchSender
@@ -35,7 +36,6 @@ from services.picker.decision_stream import (
 )
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.health import PickerHealth
-from services.picker.http2 import Http2Server
 from services.picker.kv_blocks_feed import KVBlocksSink
 from services.picker.kv_blocks_feed import subscribe as subscribe_kv_blocks
 from services.picker.metrics_feed import SnapshotSink, subscribe
