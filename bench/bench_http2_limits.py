@@ -48,8 +48,9 @@ import hpack
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.picker import http2 as new_http2  # noqa: E402
-from services.picker.http2_limits import MIB, BufferBudget, Http2Limits  # noqa: E402
+from protocols import http2 as new_http2  # noqa: E402
+from protocols import http2_limits  # noqa: E402
+from protocols.http2_limits import MIB, BufferBudget, Http2Limits  # noqa: E402
 from tests.support.http2_peer import (  # noqa: E402
     PATH,
     Echo,
@@ -66,9 +67,14 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def load_old(rev: str) -> ModuleType:
-    """The server module as it was at ``rev`` (from git), importable beside the current one."""
+    """The server module as it was at ``rev`` (from git), importable beside the current one.
+
+    The old revisions kept it in services/picker/, and the budget's baseline imports
+    ``services.picker.http2_limits``: that name is given the current limits module, as the old
+    server got before the protocol code moved to protocols/."""
     source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:services/picker/http2.py"],
                             check=True, capture_output=True).stdout
+    sys.modules.setdefault("services.picker.http2_limits", http2_limits)
     path = Path(tempfile.mkdtemp(prefix="http2-old-")) / "http2_old.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("http2_old", path)

@@ -1,10 +1,10 @@
 """Bytes per decision record: on the wire (msgpack, inside a RecordBatch) and in a `lig record`
 file (zlib level 6 over the batches, as the file's body compresses them).
 
-Records come from the picker's real Router (filter tree, pods with varied metrics, a weighted
-model split, a short completion prompt) for pools of 2, 8, 32 and 128 pods, published the way
-the picker publishes them (up to 256 records per batch). Baseline: the decision stream's
-RoutedEvent of the same requests (what peers already get), in the same run.
+Records come from the picker's real Router (the default policy, ``prefix-aware``, pods with
+varied metrics, a weighted model split, a short completion prompt) for pools of 2, 8, 32 and 128
+pods, published the way the picker publishes them (up to 256 records per batch). Baseline: the
+decision stream's RoutedEvent of the same requests (what peers already get), in the same run.
 
 Run: ``.venv/bin/python bench/bench_record_size.py [--requests 2000]``
 """

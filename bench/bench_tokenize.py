@@ -7,7 +7,8 @@ question that differs every time, the case prefix caching is for. CPU time per r
 (``time.process_time_ns``), medians over ``--runs`` interleaved runs of ``--requests`` requests:
 
 - ``encode`` (the baseline, same run): one plain call of the tokenizer on the rendered prompt
-  (``tokenizers.Tokenizer.encode``; ``simulator.tokenizer.encode`` for ``builtin:lig-sim``);
+  (``tokenizers.Tokenizer.encode``; ``scheduling.lig_sim_tokenizer.encode`` for
+  ``builtin:lig-sim``);
   ``encode, no offsets``: ``encode_batch_fast`` of it alone, what the picker calls on a miss;
 - ``ours``: ``prompt_token_ids`` (template, cut, cache) plus ``block_keys`` of the result (block
   size 16): everything the router pays before it looks the keys up; ``of which keys``: the
@@ -35,11 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import simulator.tokenizer as sim
+import scheduling.lig_sim_tokenizer as sim
 from bench.flags import at_least
 from scheduling.prompt import Message
 from scheduling.prompt_tokenizers import HFTokenizer, SimTokenizer, load_prompt_tokenizer
 from scheduling.token_blocks import block_keys, root_key
+from simulator.tokenizer import WORDS
 from tests.support.hf_tokenizer import write_tokenizer
 
 BLOCK_SIZE = 16
@@ -52,7 +54,7 @@ ROOT = root_key(None)
 
 def words(count: int, rng: random.Random) -> str:
     """``count`` of the simulator's words (one token each for both tokenizers, about)."""
-    return " ".join(rng.choice(sim.WORDS) for _ in range(count))
+    return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
 def cpu_us(call: Callable[..., object], *args: object) -> float:

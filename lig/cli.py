@@ -2,8 +2,9 @@
 
 Each command module exposes ``configure(parser)`` to add its flags and ``run(args) -> int``.
 Modules are imported only when their command runs, so ``lig sim`` does not pay for gRPC imports.
-This is where a service's errors (:class:`shared.host.errors.ServiceError`: a bad setting, a
-port in use...) become one line on stderr and the error's exit code, the same for every service.
+This is where the project's errors (:class:`shared.errors.LigError`: a bad flag or input file, a
+port in use...) become one line on stderr, ``lig <command>: error: <message>``, and the exit
+code the error's class declares, the same for every command.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import os
 import sys
 
-from shared.host.errors import ServiceError
+from shared.errors import ExitCode, LigError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("lig.up", "run the whole local stack: NATS, registry, collector, kv-events, "
@@ -70,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         # The output's reader stopped reading (``lig ... | head``): end quietly, as shell tools
         # do; what is still buffered goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return ExitCode.FAILURE
     except KeyboardInterrupt:  # Ctrl-C in a long command: one line, not a traceback
         print(f"lig {top.command}: interrupted", file=sys.stderr)
-        return 130
-    except ServiceError as error:
-        print(f"lig {top.command}: {error}", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except LigError as error:
+        print(f"lig {top.command}: error: {error}", file=sys.stderr)
         return error.exit_code
 
 

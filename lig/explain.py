@@ -22,28 +22,25 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from lig.explain_output import RequestEntry, explain_output, render
 from scheduling import (
-    Decision,
-    PodScore,
     PodView,
     PolicyConfigError,
     SchedulingRequest,
-    StepTrace,
     build_policy,
     policy_names,
 )
 from services.picker.gray_pods import GrayPods
 from services.picker.state import PodTable
-from shared.schemas import DEFAULT_POLICY_NAME, Criticality, Endpoint, PodMetrics, PolicyConfig
+from shared.errors import ConfigError, InputError
+from shared.schemas import DEFAULT_POLICY_NAME, Endpoint, PodMetrics, PolicyConfig
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-_SHOWN_NAMES = 8  # pod names listed per step in text output before "+N more"
 
 
 class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,14 +58,6 @@ class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     unreported_tokens: NonNegativeInt = 0
 
 
-class RequestEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The request as the output echoes it."""
-
-    model: str
-    target_model: str | None = None
-    criticality: Criticality = Criticality.STANDARD
-
-
 class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
     """The request file: the echoed fields plus what prompt-aware policies read."""
 
@@ -76,22 +65,6 @@ class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
     max_tokens: NonNegativeInt = 0
     prefix_blocks: NonNegativeInt = 0
     prefix_hits: dict[str, NonNegativeInt] = {}
-
-
-class InputError(Exception):
-    """A one-line message about a bad input file or flag."""
-
-
-class ExplainOutput(msgspec.Struct):
-    """What ``--json`` prints."""
-
-    policy: str
-    request: RequestEntry
-    candidates: list[str]
-    pick: str | None
-    shed: bool
-    steps: list[StepTrace]
-    scores: list[PodScore] = []
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -124,26 +97,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the policy once and print the explanation; 2 on bad input, 1 for a request id the
-    recording does not hold."""
+    """Run the policy once and print the explanation. Raises :class:`ConfigError` or
+    :class:`InputError` (exit 2) on bad flags or files; for a recorded decision see
+    :func:`lig.explain_recording.run_recorded`."""
     if args.recording is not None or args.request_id is not None:
         return _run_recorded(args)
     if args.pods is None or args.request is None:
-        print("lig explain: --pods and --request are required (or --recording FILE "
-              "--request-id ID)", file=sys.stderr)
-        return 2
+        raise ConfigError("--pods and --request are required (or --recording FILE "
+                          "--request-id ID)")
+    pods = _read_pods(args.pods)
+    request = _read(args.request, RequestFile)
+    params = _parse_params(args.param)
     try:
-        pods = _read_pods(args.pods)
-        request = _read(args.request, RequestFile)
-        params = _parse_params(args.param)
         policy = build_policy(PolicyConfig(name=getattr(args, "policy", DEFAULT_POLICY_NAME),
                                            params=params), _rng(args.seed))
-    except InputError as exc:
-        print(f"lig explain: {exc}", file=sys.stderr)
-        return 2
     except PolicyConfigError as exc:
-        print(f"lig explain: --param: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--param: {exc}") from None
     scheduling_request = SchedulingRequest(
         model=request.model,
         target_model=request.target_model or request.model,
@@ -173,26 +142,11 @@ def _run_recorded(args: argparse.Namespace) -> int:
                                       ("--seed", args.seed is not None),
                                       ("--param", args.param)) if value]
     if given:
-        print(f"lig explain: {given[0]} cannot be combined with --recording (the recording "
-              "holds the pods, request, policy and draw)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{given[0]} cannot be combined with --recording (the recording "
+                          "holds the pods, request, policy and draw)")
     if args.recording is None or args.request_id is None:
-        print("lig explain: --recording and --request-id go together", file=sys.stderr)
-        return 2
+        raise ConfigError("--recording and --request-id go together")
     return run_recorded(args.recording, args.request_id, args.json)
-
-
-def explain_output(policy: str, request: RequestEntry, decision: Decision) -> ExplainOutput:
-    """What ``--json`` prints for one explained decision."""
-    return ExplainOutput(
-        policy=policy,
-        request=request,
-        candidates=[pod.name for pod in decision.candidates],
-        pick=decision.pick.name if decision.pick else None,
-        shed=decision.shed,
-        steps=list(decision.steps),
-        scores=list(decision.scores),
-    )
 
 
 T = TypeVar("T")
@@ -255,7 +209,7 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise InputError(f"--param {item!r}: expected KEY=VALUE")
+            raise ConfigError(f"--param {item!r}: expected KEY=VALUE")
         try:
             params[key] = msgspec.json.decode(raw)
         except msgspec.DecodeError:
@@ -265,46 +219,3 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
 
 def _rng(seed: int | None) -> random.Random:
     return random.Random(seed)
-
-
-def render(policy: str, request: RequestEntry, pod_count: int, decision: Decision) -> str:
-    """The explanation as text: the request, each step, scores, candidates and the pick."""
-    lines = [
-        f"policy {policy} on {pod_count} pods; request model={request.model} "
-        f"target_model={request.target_model} criticality={request.criticality.value}",
-    ]
-    if decision.steps:
-        lines.append("path:")
-        width = max(len(step.step) for step in decision.steps)
-        for number, step in enumerate(decision.steps, start=1):
-            outcome = f"{len(step.entered)} in -> {len(step.kept)} kept"
-            kept = f" [{_names(step.kept)}]" if step.kept else ""
-            lines.append(f"  {number:>2}. {step.step:<{width}}  {outcome}{kept}  {step.branch}")
-    if decision.scores:
-        lines.extend(_score_table(decision.scores))
-    lines.append(f"candidates: {_names(tuple(pod.name for pod in decision.candidates)) or '-'}")
-    if decision.pick is not None:
-        lines.append(f"pick: {decision.pick.name} ({decision.pick.address or 'no address'})")
-    elif decision.shed:
-        lines.append("pick: none - shed (the picker answers 429)")
-    elif pod_count == 0:
-        lines.append("pick: none - no pods (the picker answers 503)")
-    else:
-        lines.append("pick: none - no candidate left (the picker answers 503)")
-    return "\n".join(lines)
-
-
-def _score_table(scores: tuple[PodScore, ...]) -> list[str]:
-    """Scores per pod, best total first: ``pod  total  scorer=score ...``."""
-    width = max(len(entry.pod) for entry in scores)
-    lines = ["scores (weighted total; each scorer's score):"]
-    for entry in sorted(scores, key=lambda entry: -entry.total):
-        parts = "  ".join(f"{name}={value:.3f}" for name, value in entry.scores.items())
-        lines.append(f"  {entry.pod:<{width}}  {entry.total:7.3f}  {parts}")
-    return lines
-
-
-def _names(names: tuple[str, ...]) -> str:
-    shown = ", ".join(names[:_SHOWN_NAMES])
-    hidden = len(names) - _SHOWN_NAMES
-    return f"{shown}, +{hidden} more" if hidden > 0 else shown

@@ -17,14 +17,19 @@ from typing import Any
 
 import msgspec
 
-from lig.explain import ExplainOutput, RequestEntry, explain_output, render
+from lig.explain_output import ExplainOutput, RequestEntry, explain_output, render
 from recording.explain_recorded import RecordedDecision, find
 from recording.fileformat import RecordingError, read_header
 from recording.records import ReadCounts
 from recording.window import format_time
 from scheduling import Decision
 from scheduling.record import OutcomeRecord
+from shared.errors import InputError, LigError
 from shared.schemas import PolicyConfig
+
+
+class DecisionNotFound(LigError):
+    """The recording holds no decision for the request id (exit 1: the file itself is fine)."""
 
 
 class RecordedOutput(msgspec.Struct):
@@ -53,24 +58,22 @@ class RecordingExplainOutput(msgspec.Struct):
 
 
 def run_recorded(path: Path, request_id: str, as_json: bool) -> int:
-    """Find, re-run and print; the exit code."""
+    """Find, re-run and print; 0, or 2 when a decision found cannot be re-run. Raises
+    :class:`InputError` for an unreadable file, :class:`DecisionNotFound` for an absent id."""
     counts = ReadCounts()
     try:
         with path.open("rb") as source:
             read_header(source)
             found = find(source, request_id, counts)
     except OSError as exc:
-        print(f"lig explain: {path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except RecordingError as exc:
-        print(f"lig explain: {path}: {exc}", file=sys.stderr)
-        return 2
+        raise InputError(f"{path}: {exc}") from None
     if not found:
         skipped = (f", {counts.undecodable} undecodable records or batches skipped"
                    if counts.undecodable else "")
-        print(f"lig explain: no decision with request id {request_id!r} in {path} "
-              f"({counts.decisions} decisions read{skipped})", file=sys.stderr)
-        return 1
+        raise DecisionNotFound(f"no decision with request id {request_id!r} in {path} "
+                               f"({counts.decisions} decisions read{skipped})")
     broken = [match for match in found if match.decision is None]
     for match in broken:
         print(f"lig explain: {path}: the decision of {match.picker} at "

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import httpx
 import msgspec
 
+from shared.errors import InputError
 from shared.vllm_metrics import (
     FAMILIES,
     MetricsParseError,
@@ -25,7 +25,7 @@ from shared.vllm_metrics import (
 )
 
 
-class SourceError(Exception):
+class SourceError(InputError):
     """The page could not be read from the file or URL."""
 
 
@@ -49,13 +49,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read, parse and print; a one-line error and exit code 2 on failure."""
+    """Read, parse and print; :class:`InputError` (exit 2) when the page cannot be read or
+    parsed."""
     try:
         page = read_source(args.source, args.timeout)
         metrics = parse_vllm_metrics(page)
     except (SourceError, MetricsParseError) as exc:
-        print(f"lig metrics: {args.source}: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
+        raise InputError(f"{args.source}: {_one_line(str(exc))}") from None
     if args.json:
         print(json.dumps(msgspec.to_builtins(metrics)))
     else:

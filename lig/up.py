@@ -22,7 +22,7 @@ from pathlib import Path
 
 from envoy_bootstrap import render_envoy_config
 from lig import readiness, stack_config
-from lig.port_leases import NoFreePorts, PortLeases
+from lig.port_leases import PortLeases
 from lig.server_binaries import LOCAL_EXTRA_INSTALL
 from lig.supervisor import ChildSpec, Supervisor
 from lig.topology import (
@@ -41,14 +41,13 @@ from lig.topology import (
     free_ports,
     ports_in_use,
 )
-from services.registry.loader import InvalidRegistry, Registry
+from services.registry.loader import Registry
+from shared.errors import ConfigError, ExitCode, LigError
 from shared.logs import setup_logging
 from shared.schemas import Criticality
 from shared.service import run_service
 from shared.waits import wait_set
 
-EXIT_FAILED = 1
-EXIT_BAD_USAGE = 2
 STOP_TIMEOUT = 4.0  # SIGTERM, then SIGKILL: everything is gone within 5 s of Ctrl-C
 ENDPOINTS_OVERRIDE_FILE = "registry-endpoints.yaml"  # in the state folder
 
@@ -136,15 +135,14 @@ def _run(args: argparse.Namespace, leases: PortLeases) -> int:
     try:
         plan, registry = make_plan(args, leases)
         children = plan.children()  # finds the nats-server and envoy binaries
-    except (stack_config.ConfigError, InvalidRegistry, FileNotFoundError, ValueError,
-            NoFreePorts) as exc:
-        print(f"lig up: {exc}", file=sys.stderr)
-        return EXIT_BAD_USAGE
+    except (LigError, FileNotFoundError, ValueError) as exc:
+        # Whatever stops the plan (a bad flag or file, a missing binary, no free ports) is the
+        # user's to fix before anything starts: exit 2, whatever the error's own class says.
+        raise ConfigError(str(exc)) from exc
     busy = ports_in_use(planned_ports(plan))
     if busy:
-        print(f"lig up: port(s) {', '.join(map(str, busy))} already in use (another `lig up`?);"
-              " stop what uses them, or run with --free-ports / --port", file=sys.stderr)
-        return EXIT_BAD_USAGE
+        raise ConfigError(f"port(s) {', '.join(map(str, busy))} already in use (another `lig "
+                          "up`?); stop what uses them, or run with --free-ports / --port")
     # lig up speaks through its own lines; the NATS client's reconnect chatter is noise here.
     setup_logging("up", "ERROR")
     return run_service(partial(_up, plan, children, registry, args.verbose, args.ready_timeout))
@@ -158,9 +156,9 @@ def make_plan(args: argparse.Namespace,
     if args.free_ports and leases is None:
         raise ValueError("--free-ports needs port leases (lig.port_leases.PortLeases)")
     if args.pods < 1 or args.pickers < 1:
-        raise ValueError("--pods and --pickers must be at least 1")
+        raise ConfigError("--pods and --pickers must be at least 1")
     if args.response_timeout <= 0:
-        raise ValueError("--response-timeout must be positive")
+        raise ConfigError("--response-timeout must be positive")
     state_dir: Path = args.state_dir.resolve()
     simulate = args.config is None
     config_path = EXAMPLE_CONFIG if simulate else args.config.resolve()
@@ -187,7 +185,7 @@ def make_plan(args: argparse.Namespace,
         sims = configured
         for name in pools:
             if not stack_config.pool_endpoints(registry, name):
-                raise stack_config.ConfigError(
+                raise ConfigError(
                     f"pool {name!r} in {config_path} lists no endpoints; `lig up` needs them "
                     "listed (spec.endpoints, see docs/registry.md)")
 
@@ -210,14 +208,14 @@ def make_plan(args: argparse.Namespace,
     )
     outside = [port for port in plan.kv_event_ports() if not 0 < port <= 65535]
     if outside:
-        raise stack_config.ConfigError(
+        raise ConfigError(
             f"the simulated pods' KV-event ports would be {', '.join(map(str, outside))}, "
             "outside 1..65535 (their serving port "
             f"{ports.kv_events_offset:+d} and {ports.kv_replay_offset:+d}); move the pods or "
             "run with --no-kv-events")
     twice = sorted(port for port, uses in Counter(planned_ports(plan)).items() if uses > 1)
     if twice:
-        raise stack_config.ConfigError(
+        raise ConfigError(
             f"port(s) {', '.join(map(str, twice))} would be used twice (a pod's serving port "
             "is another's KV-event socket, or a service's port); move the pods"
             + (" or run with --no-kv-events" if plan.kv_events else ""))
@@ -256,7 +254,7 @@ async def _up(plan: StackPlan, children: list[ChildSpec], registry: Registry, ve
             return 0
         if failure is not None:
             print(f"lig up: not ready: {failure}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
+            return ExitCode.FAILURE
         StackInfo(plan.nats_url, plan.prefix, plan.pool, plan.gateway_url(),
                   plan.picker_metrics_urls(), os.getpid(), planned_ports(plan),
                   plan.pools).write(state_dir)
@@ -264,7 +262,7 @@ async def _up(plan: StackPlan, children: list[ChildSpec], registry: Registry, ve
         dead = await _watch(supervisor, stop)
         if dead is not None:
             print(f"lig up: {dead}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
+            return ExitCode.FAILURE
         return 0
     finally:
         print("lig up: stopping every service", flush=True)

@@ -27,6 +27,7 @@ from recording.fileformat import Entry, FileHeader, Kind, Writer
 from recording.registry_history import Revision, changes_in, join, revision, state_at
 from recording.streams import read_stream
 from recording.window import Window, window_from
+from shared.errors import ConfigError
 from shared.logs import setup_logging
 from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.subjects import Subjects, endpoints_key, escape_token, pool_key
@@ -55,7 +56,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Export; exit 0 with a one-line summary, 2 on bad flags, 1 when NATS fails."""
+    """Export; exit 0 with a one-line summary, 1 when NATS fails; :class:`ConfigError` (exit 2)
+    on bad flags."""
     setup_logging("record", args.log_level)
     # The connection's own reconnect chatter (a disconnect on close) is not for this tool.
     logging.getLogger("lig.nats").setLevel(logging.ERROR)
@@ -63,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
         window = window_from(getattr(args, "since", None), getattr(args, "start", None),
                              getattr(args, "end", None), time.time_ns())
     except ValueError as exc:
-        print(f"lig record: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(exc)) from None
     # Written aside and renamed at the end: a failed export leaves no partial file behind.
     partial = Path(f"{args.out}.partial")
     try:

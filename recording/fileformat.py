@@ -24,6 +24,8 @@ from typing import BinaryIO
 
 import msgspec
 
+from shared.errors import InputError
+
 MAGIC = b"\x89LIGREC\n"
 FORMAT_VERSION = 1
 _PREAMBLE = struct.Struct(">HI")  # version, header length
@@ -34,7 +36,7 @@ READ_CHUNK = 1 << 16
 COMPRESSION_LEVEL = 6
 
 
-class RecordingError(ValueError):
+class RecordingError(InputError, ValueError):
     """A file that is not a recording, is from a newer format, truncated or corrupt; the
     message is one line for the user."""
 

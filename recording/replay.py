@@ -32,6 +32,7 @@ from recording import whatif_cli
 from recording.connection import connect_within
 from recording.fileformat import Entry, FileHeader, Kind, RecordingError, read_entries, read_header
 from recording.replay_progress import Survey, lead_in_line, progress_line, survey
+from shared.errors import ConfigError, InputError
 from shared.logs import setup_logging
 from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.schemas import DecodeError, PodMetrics, decode, encode
@@ -101,31 +102,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay until the file ends or SIGTERM/SIGINT; 2 for a bad file or flags, 1 when NATS
-    fails."""
+    """Replay until the file ends or SIGTERM/SIGINT; 1 when NATS fails. Raises
+    :class:`ConfigError` or :class:`InputError` (exit 2) for bad flags or a bad file."""
     setup_logging("replay", args.log_level)
     # The connection's own reconnect chatter (a disconnect on close) is not for this tool.
     logging.getLogger("lig.nats").setLevel(logging.ERROR)
     if not args.speed > 0:
-        print("lig replay: --speed must be > 0", file=sys.stderr)
-        return 2
+        raise ConfigError("--speed must be > 0")
     if not args.progress >= 0:
-        print("lig replay: --progress must be >= 0 (0: no progress lines)", file=sys.stderr)
-        return 2
+        raise ConfigError("--progress must be >= 0 (0: no progress lines)")
     if not args.what_if and (flag := whatif_cli.misused(args)):
-        print(f"lig replay: {flag} needs --what-if", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{flag} needs --what-if")
     try:
         source = open(args.file, "rb")  # noqa: SIM115 - closed below, after the replay
     except OSError as exc:
-        print(f"lig replay: {exc}", file=sys.stderr)
-        return 2
+        raise InputError(str(exc)) from None
     with source:
         try:
             header = read_header(source)
         except RecordingError as exc:
-            print(f"lig replay: {args.file}: {exc}", file=sys.stderr)
-            return 2
+            raise InputError(f"{args.file}: {exc}") from None
         if args.what_if:
             return whatif_cli.run(args, source, header)
         settings = settings_from_args(args)
@@ -158,8 +154,7 @@ async def _replay_and_report(settings: NatsSettings, header: FileHeader, source:
     try:
         await replay.run(source, stop)
     except RecordingError as exc:
-        print(f"lig replay: {name}: {exc}", file=sys.stderr)
-        return 2
+        raise InputError(f"{name}: {exc}") from None
     except (NatsError, TimeoutError) as exc:
         print(f"lig replay: NATS failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from shared.errors import LigError
 from shared.waits import within
 
 log = logging.getLogger("lig.record")
@@ -59,7 +60,7 @@ class Delivery(msgspec.Struct, frozen=True):
     pending: int
 
 
-class DeliveryGap(NatsError):
+class DeliveryGap(LigError, NatsError):
     """The consumer skipped messages (a slow-consumer drop): the export would miss them."""
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import BinaryIO
 
 import msgspec
@@ -13,6 +12,7 @@ from recording.rerun import parse_policy_specs
 from recording.whatif import Difference, PolicyReport, WhatIfReport, what_if
 from recording.window import format_time
 from scheduling import PolicyConfigError
+from shared.errors import ConfigError, InputError
 
 DEFAULT_TOP = 10
 
@@ -45,24 +45,20 @@ def misused(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace, source: BinaryIO, header: FileHeader) -> int:
-    """Compare and print; 2 on bad flags or a bad file."""
+    """Compare and print; :class:`ConfigError` or :class:`InputError` (exit 2) on bad flags or
+    a bad file."""
     if not args.policies:
-        print("lig replay: --what-if needs --policies (e.g. --policies recorded,least-queue)",
-              file=sys.stderr)
-        return 2
+        raise ConfigError("--what-if needs --policies (e.g. --policies recorded,least-queue)")
     if args.top < 0:
-        print("lig replay: --top must be >= 0", file=sys.stderr)
-        return 2
+        raise ConfigError("--top must be >= 0")
     try:
         specs = parse_policy_specs(args.policies)
     except PolicyConfigError as exc:
-        print(f"lig replay: --policies: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--policies: {exc}") from None
     try:
         report = what_if(source, header, specs, args.top, args.pool)
     except RecordingError as exc:
-        print(f"lig replay: {args.file}: {exc}", file=sys.stderr)
-        return 2
+        raise InputError(f"{args.file}: {exc}") from None
     if args.json:
         print(msgspec.json.encode(report).decode())
     else:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import msgspec
 
+from protocols.http2_limits import MIB, Http2Limits
 from resilience import attacks, bad_http
 from resilience import h2wire as w
 from resilience.h2wire import PingProbe, ping_once
@@ -26,7 +27,6 @@ from resilience.load import LoadRun, steady_load
 from resilience.report import Figure
 from resilience.stack import Picker, Target
 from services.picker.app import MAX_MESSAGE_BYTES
-from services.picker.http2_limits import MIB, Http2Limits
 
 SCENARIOS = ("flood", "amplification", "buffering", "slow", "control", "http")
 PING_TARGET_S = 1.0

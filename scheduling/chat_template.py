@@ -46,6 +46,8 @@ import jinja2.filters
 import jinja2.nodes
 import jinja2.sandbox
 
+from shared.errors import LigError
+
 # The tokenizer_config.json fields a template may read as variables.
 _SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                          "cls_token", "mask_token")
@@ -271,7 +273,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(LigError, ValueError):
     """A template that cannot be read or compiled (the message says which and why)."""
 
 

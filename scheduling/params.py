@@ -7,8 +7,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from shared.errors import ConfigError
 
-class PolicyConfigError(ValueError):
+
+class PolicyConfigError(ConfigError):
     """A policy configuration is unusable: unknown policy, unknown or mistyped parameter."""
 
 

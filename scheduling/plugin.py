@@ -16,9 +16,10 @@ import msgspec
 
 from scheduling.params import parse_params
 from scheduling.types import PodView, SchedulingRequest
+from shared.errors import LigError
 
 
-class FilterFailed(Exception):
+class FilterFailed(LigError):
     """Raised by a filter that cannot produce candidates (the tree takes ``on_failure``)."""
 
 

@@ -14,7 +14,8 @@ Each implements :class:`scheduling.token_blocks.PromptTokenizer`. What they agre
 
 Two kinds, chosen by :func:`load_prompt_tokenizer`:
 
-- ``builtin:lig-sim``: the simulator's tokenizer and chat template (``simulator/tokenizer.py``).
+- ``builtin:lig-sim``: ``lig sim``'s tokenizer and chat template
+  (:mod:`scheduling.lig_sim_tokenizer`).
 - a Hugging Face ``tokenizer.json`` (the ``tokenizers`` package) with the chat template of its
   ``tokenizer_config.json`` or ``chat_template.jinja`` (:mod:`scheduling.chat_template`).
 
@@ -45,9 +46,10 @@ import jinja2
 import tokenizers
 import xxhash
 
-import simulator.tokenizer as sim
+import scheduling.lig_sim_tokenizer as sim
 from scheduling.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from scheduling.token_blocks import PromptTokenizer
+from shared.errors import ConfigError
 
 log = logging.getLogger("lig.scheduling.tokenizers")
 
@@ -71,7 +73,7 @@ CHUNK_CHARS = 1024
 _CHUNK_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(ConfigError):
     """A tokenizer that cannot be loaded (the message names the file and the reason)."""
 
 

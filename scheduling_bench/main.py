@@ -18,12 +18,11 @@ import argparse
 import importlib.util
 import os
 import random
-import sys
 from pathlib import Path
 
 import msgspec
 
-from scheduling import PolicyConfigError, build_policy, policy_names
+from scheduling import build_policy, policy_names
 from scheduling_bench import default_sweep, report
 from scheduling_bench.fleet import DEFAULT_KV_EVENT_DELAY
 from scheduling_bench.recorded_trace import (
@@ -42,7 +41,8 @@ from scheduling_bench.runner import (
     parse_policy,
     run_points,
 )
-from scheduling_bench.workloads import WORKLOADS, TraceError, Workload, read_trace
+from scheduling_bench.workloads import WORKLOADS, Workload, read_trace
+from shared.errors import ConfigError, LigError
 from simulator.profiles import DEFAULT_PROFILE, load_profile
 
 TRACE_HELP = (
@@ -70,10 +70,6 @@ DEFAULT_WORKLOAD = "chat"
 DEFAULT_RATES = "100,200,300"
 DEFAULT_DURATION = 120.0
 DEFAULT_PODS = 8
-
-
-class UsageError(Exception):
-    """A bad flag value; printed as one line."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -194,25 +190,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the sweep the flags describe; 0 on success, 2 on bad input."""
+    """Run the sweep the flags describe; 0 on success. Raises :class:`ConfigError` or
+    :class:`InputError` (:mod:`shared.errors`; exit 2) on bad flags or input files."""
     try:
         if args.sweep == "default":
             return _run_default_sweep(args)
         if args.sweep == "prefix-sources":
             return _run_prefix_sources(args)
         return _run_sweep(args)
-    except (UsageError, TraceError, PolicyConfigError, ValueError) as error:
-        print(f"lig bench: {error}", file=sys.stderr)
-        return 2
+    except LigError:
+        raise
+    except ValueError as error:  # the parsers the flag values go through raise ValueError
+        raise ConfigError(str(error)) from None
 
 
 def _run_default_sweep(args: argparse.Namespace) -> int:
     if not args.trace:
-        raise UsageError(f"--sweep default replays a trace: pass --trace PATH ({TRACE_HELP})")
+        raise ConfigError(f"--sweep default replays a trace: pass --trace PATH ({TRACE_HELP})")
     if args.trace_from_recording:
-        raise UsageError("--sweep default runs its own workloads: no --trace-from-recording")
+        raise ConfigError("--sweep default runs its own workloads: no --trace-from-recording")
     if not args.doc.is_file():
-        raise UsageError(f"{args.doc}: no such document")
+        raise ConfigError(f"{args.doc}: no such document")
     _require_matplotlib()
     read_trace(args.trace)  # a bad trace fails here, before the sweep starts
     command = ["lig", "bench", "--sweep", "default", "--trace", "PATH/TO/splitwise_conv.csv"]
@@ -223,7 +221,7 @@ def _run_default_sweep(args: argparse.Namespace) -> int:
 
 def _run_prefix_sources(args: argparse.Namespace) -> int:
     if not args.doc.is_file():
-        raise UsageError(f"{args.doc}: no such document")
+        raise ConfigError(f"{args.doc}: no such document")
     default_sweep.regenerate_prefix_sources(args.doc, args.jobs)
     print(f"rewrote the prefix-source tables of {args.doc}")
     return 0
@@ -232,14 +230,14 @@ def _run_prefix_sources(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace) -> int:
     recorded = _recorded_trace(args) if args.trace_from_recording else None
     if hasattr(args, "pool") and recorded is None:
-        raise UsageError("--pool names a recorded pool: use it with --trace-from-recording")
+        raise ConfigError("--pool names a recorded pool: use it with --trace-from-recording")
     workload = _workload(args) if recorded is None else _recorded_workload(args, recorded)
     labels = [name.strip() for name in args.policies.split(",") if name.strip()]
     choices = [parse_policy(label) for label in labels]
     for choice in choices:  # fail on a bad name before any run starts
         build_policy(choice.policy, random.Random(0))
     if any(choice.prefix == "precise" for choice in choices) and not workload.token_ids:
-        raise UsageError(f"{PRECISE_SUFFIX} needs prompts of token ids: pass --token-ids")
+        raise ConfigError(f"{PRECISE_SUFFIX} needs prompts of token ids: pass --token-ids")
     given_rates: str | None = getattr(args, "rates", None)
     if given_rates is not None:
         rates = _numbers(given_rates, "--rates")
@@ -251,11 +249,11 @@ def _run_sweep(args: argparse.Namespace) -> int:
         pods = (recorded.pods if recorded else 0) or DEFAULT_PODS
     duration: float | None = getattr(args, "duration", None)
     if pods < 1 or args.pickers < 1 or args.jobs < 1 or (duration is not None and duration <= 0):
-        raise UsageError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
+        raise ConfigError("--pods, --pickers and --jobs must be >= 1 and --duration > 0")
     if args.decision_delay < 0:
-        raise UsageError("--decision-delay must be >= 0")
+        raise ConfigError("--decision-delay must be >= 0")
     if args.kv_event_delay < 0:
-        raise UsageError("--kv-event-delay must be >= 0")
+        raise ConfigError("--kv-event-delay must be >= 0")
     profile = load_profile(args.profile)
     if not args.no_plots:
         _require_matplotlib()
@@ -301,7 +299,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 def _require_matplotlib() -> None:
     """Fail before a long sweep, not after it, when the plots cannot be drawn."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("plots need matplotlib: pip install -e '.[bench]', or pass --no-plots")
+        raise ConfigError("plots need matplotlib: pip install -e '.[bench]', or pass --no-plots")
 
 
 def _recorded_trace(args: argparse.Namespace) -> RecordedTrace:
@@ -311,7 +309,7 @@ def _recorded_trace(args: argparse.Namespace) -> RecordedTrace:
     if hasattr(args, "workload") or args.trace:
         given.insert(0, "--workload" if hasattr(args, "workload") else "--trace")
     if given:
-        raise UsageError(f"--trace-from-recording plays the recorded requests: {', '.join(given)} "
+        raise ConfigError(f"--trace-from-recording plays the recorded requests: {', '.join(given)} "
                          "cannot apply")
     return read_recorded_trace(args.trace_from_recording, getattr(args, "pool", None))
 
@@ -355,7 +353,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         read_trace(args.trace)  # a bad trace fails here, before any run starts
         overrides["trace"] = args.trace
     elif name == "trace":
-        raise UsageError(f"--workload trace needs --trace PATH ({TRACE_HELP})")
+        raise ConfigError(f"--workload trace needs --trace PATH ({TRACE_HELP})")
     return msgspec.structs.replace(workload, **overrides).validate()
 
 
@@ -363,7 +361,7 @@ def _numbers(text: str, flag: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+        raise ConfigError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     if not values or min(values) <= 0:
-        raise UsageError(f"{flag}: expected positive numbers, got {text!r}")
+        raise ConfigError(f"{flag}: expected positive numbers, got {text!r}")
     return values

@@ -34,6 +34,7 @@ import msgspec
 from recording.fileformat import RecordingError, read_header
 from recording.records import ReadCounts, Registry, read_records
 from scheduling.record import DecisionRecord, OutcomeRecord
+from shared.errors import InputError
 from shared.schemas import Criticality, EndpointSet
 from shared.subjects import unescape_token
 
@@ -45,7 +46,7 @@ _ENDPOINTS = "endpoints."  # registry keys of endpoint sets
 _endpoints_decoder = msgspec.msgpack.Decoder(EndpointSet)
 
 
-class RecordedTraceError(ValueError):
+class RecordedTraceError(InputError, ValueError):
     """A recording that cannot become a trace; the message is one line for the user."""
 
 

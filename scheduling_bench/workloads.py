@@ -28,6 +28,7 @@ import msgspec
 
 from scheduling_bench.prompts import prompt_ids, request_body
 from scheduling_bench.recorded_trace import read_recorded_trace
+from shared.errors import InputError
 from shared.schemas import Criticality
 from simulator.engine import RequestSpec, SyntheticPrompt
 
@@ -228,7 +229,7 @@ class TraceRow(msgspec.Struct, frozen=True):
     output_tokens: int
 
 
-class TraceError(ValueError):
+class TraceError(InputError, ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from shared.errors import LigError
 from shared.logs import RateLimitedLog
 
 log = logging.getLogger("lig.kv_events")
@@ -194,7 +195,7 @@ class _KeyedBatch(msgspec.Struct):
     data_parallel_rank: _Rank | None = None
 
 
-class _Malformed(ValueError):
+class _Malformed(LigError, ValueError):
     """Why one event or message was skipped (the reason is the counter's label)."""
 
 

@@ -17,6 +17,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
+from shared.errors import LigError
+
 log = logging.getLogger("lig.nats")
 
 MAX_REPLICAS = 5  # JetStream's own limit
@@ -54,7 +56,7 @@ def warn_about_replication(nc: Client, replicas: int, service: str) -> None:
         log.warning("%s: %s", service, warning)
 
 
-class ReplicaAlignmentError(Exception):
+class ReplicaAlignmentError(LigError):
     """The stream could not be given the replica count it should have (it keeps its own)."""
 
 

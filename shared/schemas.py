@@ -11,6 +11,8 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from shared.errors import LigError
+
 SCHEMA_VERSION = 1
 
 
@@ -189,7 +191,7 @@ class DecisionBatch(msgspec.Struct, frozen=True):
     schema: int = SCHEMA_VERSION
 
 
-class DecodeError(ValueError):
+class DecodeError(LigError, ValueError):
     """A NATS payload could not be decoded into the expected message type."""
 
 

@@ -17,6 +17,8 @@ import re
 
 import msgspec
 
+from shared.errors import LigError
+
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
@@ -34,7 +36,7 @@ FAMILIES: tuple[str, ...] = (
 )
 
 
-class MetricsParseError(ValueError):
+class MetricsParseError(LigError, ValueError):
     """The page is not a Prometheus exposition, or a line the gateway needs is malformed."""
 
 

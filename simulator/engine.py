@@ -47,6 +47,7 @@ from typing import Protocol
 
 import msgspec
 
+from shared.errors import LigError
 from simulator.kv_cache import KVCache
 from simulator.lora import NO_LOAD, AdapterSlots
 from simulator.prefix_sharing import PrefixSharing
@@ -95,7 +96,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     """Keep every token's time on its request (``Request.token_times``), for tests and traces."""
 
 
-class RequestRejected(ValueError):
+class RequestRejected(LigError, ValueError):
     """A request the server refuses (HTTP 400 in vLLM)."""
 
 

@@ -97,7 +97,7 @@ class PodSettings(msgspec.Struct, frozen=True):
     faults: Faults = Faults()
     kv_events: KVEventsConfig = KVEventsConfig()
     kv_events_wire: Wire = Wire()
-    tokenizer: str | None = None  # --tokenizer (None: simulator/tokenizer.py)
+    tokenizer: str | None = None  # --tokenizer (None: scheduling/lig_sim_tokenizer.py)
     # --enable-prompt-tokens-details: usage reports the prompt tokens found in the prefix cache.
     prompt_tokens_details: bool = False
 

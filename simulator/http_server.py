@@ -22,6 +22,8 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 
+from shared.errors import LigError
+
 log = logging.getLogger("lig.sim.http")
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -86,7 +88,7 @@ Handler = Callable[[HttpRequest], Awaitable[Response | StreamResponse]]
 ErrorBody = Callable[[int, str], bytes]
 
 
-class BadRequest(Exception):
+class BadRequest(LigError):
     """The bytes on the wire are not a request we accept."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -13,6 +13,7 @@ import logging
 import msgspec
 
 from scheduling.prompt_tokenizers import load_prompt_tokenizer
+from shared.errors import ConfigError
 from shared.kv_events import ENCODINGS, HASH_TYPES
 from shared.logs import add_logging_arguments, setup_logging
 from shared.service import run_service
@@ -181,8 +182,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_tokenizer = (load_prompt_tokenizer(args.tokenizer)
                             if args.tokenizer is not None else None)
     except ValueError as error:  # TokenizerLoadError included
-        log.error("invalid settings: %s", error)
-        return 2
+        raise ConfigError(f"invalid settings: {error}") from None
 
     async def main(stop: asyncio.Event) -> int:
         pods = [SimulatedPod(settings, prompt_tokenizer) for settings in pods_settings]

@@ -15,9 +15,10 @@ from typing import Any
 
 import msgspec
 
+from scheduling import lig_sim_tokenizer as tokenizer
 from scheduling.prompt import CompletionPrompt, Message
 from scheduling.token_blocks import PromptTokenizer
-from simulator import tokenizer
+from shared.errors import LigError
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -33,7 +34,7 @@ _ERROR_TYPES = {
 _json = msgspec.json.Encoder()
 
 
-class ApiError(Exception):
+class ApiError(LigError):
     """A request the server answers with an error body."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -1,28 +1,18 @@
-"""A deterministic, cheap stand-in for a real tokenizer, a chat template, and generated text.
+"""Generated text of ``lig sim``'s simulated model, in the ``builtin:lig-sim`` tokenizer.
 
-Tokenizing: the text is cut into pieces by one regular expression: runs of up to 6 letters, runs
-of up to 3 digits, and single punctuation or symbol characters; whitespace only separates pieces.
-A piece's token id is ``crc32(piece) mod VOCAB_SIZE``. English prose comes out at roughly 1.2
-tokens per word, close to real BPE tokenizers, and equal texts always give equal ids, which is all
-prefix caching needs.
-
-Generating: the simulated model emits words from ``WORDS`` (each a single piece), chosen by a
-seeded RNG, as " word" tokens. Because each word tokenizes back to exactly its own token id, a
-conversation that sends the assistant's answer back in its next turn (through ``render_chat``)
-reproduces the token ids the engine generated, so multi-turn chats hit the prefix cache as they do
-on vLLM.
+The tokenizer and chat template themselves are :mod:`scheduling.lig_sim_tokenizer` (the pickers
+tokenize with them too). The simulated model emits words from ``WORDS`` (each a single piece),
+chosen by a seeded RNG, as " word" tokens. Because each word tokenizes back to exactly its own
+token id, a conversation that sends the assistant's answer back in its next turn (through
+``render_chat``) reproduces the token ids the engine generated, so multi-turn chats hit the
+prefix cache as they do on vLLM.
 """
 
 from __future__ import annotations
 
 import random
-import re
-import zlib
-from collections.abc import Sequence
 
-VOCAB_SIZE = 128_256
-
-_PIECE = re.compile(r"\d{1,3}|[^\W\d]{1,6}|[^\w\s]")
+from scheduling.lig_sim_tokenizer import token_id
 
 # Common English words of at most 6 letters: each is exactly one token of this tokenizer.
 WORDS: tuple[str, ...] = (
@@ -50,35 +40,7 @@ WORDS: tuple[str, ...] = (
 )
 
 
-def token_id(piece: str) -> int:
-    """The id of one piece."""
-    return zlib.crc32(piece.encode()) % VOCAB_SIZE
-
-
 WORD_IDS: tuple[int, ...] = tuple(token_id(word) for word in WORDS)
-
-
-def encode(text: str) -> tuple[int, ...]:
-    """Token ids of ``text``."""
-    return tuple(zlib.crc32(piece.encode()) % VOCAB_SIZE for piece in _PIECE.findall(text))
-
-
-# Opens the assistant's turn at the end of every chat prompt.
-ASSISTANT_OPENING = "<|start|>assistant\n"
-
-
-def render_turn(role: str, content: str) -> str:
-    """One message of the chat template. Every turn starts with a symbol and ends with a
-    newline, and no piece spans whitespace or a symbol, so a chat's token ids are the
-    concatenation of its turns' (what lets a router cache them per message)."""
-    return f"<|start|>{role}\n{content}<|end|>\n"
-
-
-def render_chat(messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt for (role, content) messages, ending with the assistant's turn opening."""
-    parts = [render_turn(role, content) for role, content in messages]
-    parts.append(ASSISTANT_OPENING)
-    return "".join(parts)
 
 
 def generate_words(count: int, seed: int) -> list[int]:

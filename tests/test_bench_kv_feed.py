@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from lig.cli import main
+from scheduling.lig_sim_tokenizer import encode
 from scheduling.token_blocks import block_keys, root_key
 from scheduling_bench import fleet
 from scheduling_bench.default_sweep import (
@@ -30,7 +31,6 @@ from shared.schemas import Criticality, PolicyConfig
 from simulator.engine import Engine, EngineConfig
 from simulator.profiles import DEFAULT_PROFILE, PROFILES
 from simulator.request import RequestSpec, SyntheticPrompt
-from simulator.tokenizer import encode
 from simulator.virtual_time import DELIVERY, VirtualClock
 
 

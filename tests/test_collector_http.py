@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from services.collector import http_transport
-from services.collector.http_transport import KeepAliveTransport, scrape_client
+from protocols import http_transport
+from protocols.http_transport import KeepAliveTransport, scrape_client
 from services.collector.observability import CollectorMetrics
 from services.collector.scraper import Scraper
 from services.collector.targets import ScrapeTarget

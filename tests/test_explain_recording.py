@@ -157,7 +157,7 @@ def test_an_unknown_request_id_is_one_line_and_exit_1(tmp_path: Path, capsys) ->
     write(path, Spec(decisions=50))
     code, out, err = explain(capsys, "--recording", str(path), "--request-id", "req-nope")
     assert (code, out) == (1, "")
-    assert err == f"lig explain: no decision with request id 'req-nope' in {path} " \
+    assert err == f"lig explain: error: no decision with request id 'req-nope' in {path} " \
                   "(50 decisions read)\n"
 
 

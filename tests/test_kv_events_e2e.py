@@ -20,11 +20,11 @@ import zmq
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from scheduling import lig_sim_tokenizer as tokenizer
 from shared import kv_blocks
 from shared.kv_blocks import KVBlockChanges
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_payload
 from shared.subjects import Subjects
-from simulator import tokenizer
 from tests.support.kv_events import PROMPT, EventPods, counter, gauge, register
 from tests.support.nats_sync import subscribed
 from tests.support.ports import free_port, free_port_range

@@ -157,7 +157,7 @@ def test_http_failures_exit_2_with_one_line(
     code, out, err = run_lig(capsys, "parse", url)
     assert (code, out) == (2, "")
     assert err.count("\n") == 1
-    assert err.startswith(f"lig metrics: {url}: {expected}")
+    assert err.startswith(f"lig metrics: error: {url}: {expected}")
 
 
 def test_slow_server_times_out(
@@ -173,7 +173,7 @@ def test_nothing_listening_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{free_port()}/metrics"
     code, _, err = run_lig(capsys, "parse", url)
     assert code == 2
-    assert err.startswith(f"lig metrics: {url}: cannot fetch: ConnectError")
+    assert err.startswith(f"lig metrics: error: {url}: cannot fetch: ConnectError")
     assert err.count("\n") == 1
 
 
@@ -181,7 +181,7 @@ def test_unreadable_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: P
     missing = tmp_path / "absent.txt"
     code, out, err = run_lig(capsys, "parse", str(missing), "--json")
     assert (code, out) == (2, "")
-    assert err == f"lig metrics: {missing}: cannot read: No such file or directory\n"
+    assert err == f"lig metrics: error: {missing}: cannot read: No such file or directory\n"
 
 
 def test_unparsable_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_unparsable_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: P
     page.write_bytes(b'# HELP x\nvllm:num_requests_waiting{engine="0} 3\n')
     code, out, err = run_lig(capsys, "parse", str(page), "--json")
     assert (code, out) == (2, "")
-    assert err.startswith(f"lig metrics: {page}: line 2: malformed label set")
+    assert err.startswith(f"lig metrics: error: {page}: line 2: malformed label set")
     assert err.count("\n") == 1
 
 

@@ -23,7 +23,7 @@ from lig.up import make_plan
 from services.collector.recording import ensure_stream
 from services.registry.files import FileSnapshot, SourceFile, load
 from services.registry.publisher import Publisher, read_bucket
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 from shared.nats_connection import NatsSettings, add_nats_arguments, settings_from_args
 from shared.replication import cluster_size, replication_warning, warn_about_replication
 from shared.subjects import Subjects

@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
+from protocols.http2 import Http2Server
 from services.picker.app import grpc_server
 from services.picker.ext_proc import (
     BUFFERED,
@@ -25,7 +26,6 @@ from services.picker.ext_proc import (
     ProcessStream,
     http2_handlers,
 )
-from services.picker.http2 import Http2Server
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.routing import Router

@@ -10,7 +10,7 @@ import grpc
 import hpack
 import pytest
 
-from services.picker.http2 import (
+from protocols.http2 import (
     ACK,
     CONTINUATION,
     DATA,
@@ -34,7 +34,7 @@ from services.picker.http2 import (
     Http2Server,
     frame,
 )
-from services.picker.http2_limits import Http2Limits
+from protocols.http2_limits import Http2Limits
 from tests.support.http2_peer import PATH, Echo, FakeTransport, Peer, grpc_message, parse
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import uvloop
 
-from services.picker.http2 import ENHANCE_YOUR_CALM, GOAWAY, RST_STREAM, Http2Server, frame
-from services.picker.http2_limits import MIB, Http2Limits
+from protocols.http2 import ENHANCE_YOUR_CALM, GOAWAY, RST_STREAM, Http2Server, frame
+from protocols.http2_limits import MIB, Http2Limits
 from tests.support.http2_peer import PATH, Echo, RawClient, grpc_message, trickle
 
 MAX_MESSAGE = 4 * MIB
@@ -132,8 +132,8 @@ async def _connections_past_the_cap() -> None:
 
 _SERVER = """
 import asyncio, sys
-from services.picker.http2 import Http2Server
-from services.picker.http2_limits import MIB, Http2Limits
+from protocols.http2 import Http2Server
+from protocols.http2_limits import MIB, Http2Limits
 from tests.support.http2_peer import PATH, Echo
 
 async def main():

@@ -17,7 +17,7 @@ import hpack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from services.picker.http2 import (
+from protocols.http2 import (
     ACK,
     CONTINUATION,
     DATA,
@@ -36,7 +36,7 @@ from services.picker.http2 import (
     WINDOW_UPDATE,
     frame,
 )
-from services.picker.http2_limits import BufferBudget, Http2Limits
+from protocols.http2_limits import BufferBudget, Http2Limits
 from tests.support.http2_peer import Echo, Peer, grpc_message
 
 MAX_MESSAGE = 300

@@ -14,7 +14,7 @@ import hpack
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.picker.http2 import (
+from protocols.http2 import (
     ACK,
     CONTINUATION,
     DATA,
@@ -38,7 +38,7 @@ from services.picker.http2 import (
     Http2Server,
     frame,
 )
-from services.picker.http2_limits import Http2Limits, TokenBucket
+from protocols.http2_limits import Http2Limits, TokenBucket
 from services.picker.observability import PickerMetrics
 from tests.support.http2_peer import PATH, Echo, FakeTransport, Peer, grpc_message
 

@@ -19,13 +19,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
-from services.picker.app import EXIT_EXT_PROC_LOST, _BuiltinExtProc, _until_stopped_or_lost
+from protocols.http2 import END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame
+from services.picker.app import _BuiltinExtProc, _until_stopped_or_lost
 from services.picker.ext_proc import Processor
-from services.picker.http2 import END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.routing import Router
 from services.picker.state import PodTable
+from shared.errors import ExitCode
 from tests.support.picker import PickerProcess
 from tests.support.ports import free_port
 
@@ -67,7 +68,7 @@ def test_a_grpc_aio_listener_killed_by_one_request_takes_the_picker_down(
         time.sleep(0.05)
     send_path(picker.grpc_port, b"/\xff")  # grpcio's serving loop fails and closes the port
     code, statuses = wait_exit(picker, within=10)
-    assert code == EXIT_EXT_PROC_LOST, (code, statuses, picker.log()[-3000:])
+    assert code == ExitCode.EXT_PROC_LOST, (code, statuses, picker.log()[-3000:])
     assert statuses[-1:] != [SERVING]  # the last answer before the exit was not SERVING
     assert "the ext_proc server stopped (grpc.aio's serving loop failed" in picker.log()
 
@@ -121,7 +122,7 @@ def test_a_port_in_use_is_one_line_and_exit_code_1(server: str, busy: str) -> No
             capture_output=True, text=True, timeout=30)
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 1, output
-    assert output.splitlines() == [f"lig picker: cannot listen on 127.0.0.1:{taken} "
+    assert output.splitlines() == [f"lig picker: error: cannot listen on 127.0.0.1:{taken} "
                                    f"({'ext_proc' if busy == 'grpc' else busy}): "
                                    "[Errno 98] Address already in use"], output
 

@@ -22,6 +22,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from scheduling import lig_sim_tokenizer as tokenizer
 from scheduling.precise_index import PreciseIndex
 from scheduling.prompt_tokenizers import SimTokenizer
 from scheduling.token_blocks import block_keys, root_key
@@ -32,7 +33,6 @@ from shared import kv_blocks
 from shared.registry_view import RegistryView
 from shared.schemas import EndpointSet, InferencePool, PodMetrics, PolicyConfig
 from shared.subjects import Subjects
-from simulator import tokenizer
 from tests.support.collector import pod
 from tests.support.nats_sync import subscribed, synced
 from tests.support.picker import PickerProcess

@@ -17,9 +17,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from protocols.http2 import Http2Server
 from services.picker.app import _NatsLink
 from services.picker.ext_proc import NONE, REWRITE_HEADER, Processor, http2_handlers
-from services.picker.http2 import Http2Server
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
 from services.picker.routing import Routed

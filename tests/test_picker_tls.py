@@ -9,7 +9,7 @@ import pytest
 
 from services.picker.main import configure, settings_from
 from services.picker.tls import TlsFiles, ssl_context
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 from tests.support.certs import make_certificates
 
 

@@ -14,7 +14,7 @@ import pytest
 from scheduling.prompt_tokenizers import HFTokenizer, SimTokenizer
 from services.picker.core import load_tokenizers
 from services.picker.main import configure, settings_from
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 from tests.support.hf_tokenizer import write_tokenizer
 
 

@@ -104,7 +104,7 @@ def test_untokenizable_requests_give_none(prompt: object, messages: object) -> N
 
 def test_sim_turns_concatenate() -> None:
     """What the per-message cache relies on: the chat's ids are its turns' ids end to end."""
-    import simulator.tokenizer as sim
+    import scheduling.lig_sim_tokenizer as sim
     turns = [("user", "ends with letters"), ("assistant", "123"), ("user", "sym!"),
              ("system", "")]
     whole = sim.encode(sim.render_chat(turns))
@@ -315,7 +315,7 @@ def test_long_shared_prefix_is_tokenized_once(kind: str, byte_level: HFTokenizer
 
     def whole(text: str) -> list[int]:
         if isinstance(tokenizer, SimTokenizer):
-            import simulator.tokenizer as sim
+            import scheduling.lig_sim_tokenizer as sim
             return list(sim.encode(text))
         return tokenizer._tokenizer.encode(text).ids
 
@@ -355,7 +355,7 @@ def test_returned_ids_are_the_callers_own(byte_level: HFTokenizer) -> None:
 def test_huge_prompts_are_tokenized_only_as_far_as_looked_up(byte_level: HFTokenizer) -> None:
     """Past max_tokens the rest of a prompt is not tokenized: what is returned is the start of
     the prompt's ids, exactly."""
-    import simulator.tokenizer as sim
+    import scheduling.lig_sim_tokenizer as sim
     huge = " ".join(["word", "caf\u00e9", "12345,", "water"] * 20_000)  # ~100,000 tokens
     hf = HFTokenizer(byte_level._tokenizer, byte_level.template, max_tokens=1000)
     ids = list(hf.prompt_token_ids(huge, None) or ())

@@ -260,7 +260,7 @@ def test_bad_files_give_one_line_and_exit_2(kind: str, nats_server: NatsServer,
     result = lig("replay", str(path), "--nats-url", nats_server.url, "--speed", "1000")
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"lig replay: {path}: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"lig replay: error: {path}: "), result.stderr
     expected = {"newer": "format version 99 is newer", "truncated": "truncated",
                 "corrupt": "corrupt", "foreign": "not a lig recording",
                 "header cut": "truncated"}[kind]

@@ -534,9 +534,9 @@ def test_process_exits_2_on_an_unusable_endpoints_override(inputs: Path, tmp_pat
                             capture_output=True, text=True, timeout=DEADLINE)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        f"lig registry: --endpoints-override {override}: endpoints[0].address: '0.0.0.0' is the "
-        "unspecified address (a listening address meaning any, not a pod's); give the pod's own "
-        "IP address"]
+        f"lig registry: error: --endpoints-override {override}: endpoints[0].address: '0.0.0.0' "
+        "is the unspecified address (a listening address meaning any, not a pod's); give the pod's "
+        "own IP address"]
 
 
 async def test_a_loader_bug_is_logged_and_the_previous_state_kept(

@@ -17,13 +17,13 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
+from protocols.http2 import Http2Server
+from protocols.http2_limits import Http2Limits
 from resilience import attacks, h2wire
 from resilience.attack import AttackSettings
 from resilience.bad_http import Reply, judge, openai_error_shape
 from resilience.report import Figure, all_passed, table
 from resilience.stack import Picker
-from services.picker.http2 import Http2Server
-from services.picker.http2_limits import Http2Limits
 
 
 @pytest.mark.parametrize("value", [0, 30, 62, 126, 127, 128, 4000, 60_000])

@@ -12,8 +12,9 @@ from resilience.chaos import index_figure
 from resilience.load import LoadRun, _one, unique_prompt
 from resilience.soak import GROWTH_TARGET_PCT, growth_pct, last_third, memory_figures
 from resilience.stack import SPLIT_MODEL
+from scheduling.lig_sim_tokenizer import encode
 from scheduling.prefix_hash import BLOCK_BYTES
-from simulator.tokenizer import WORDS, encode
+from simulator.tokenizer import WORDS
 
 
 def _sse(*models: str, done: bool = True) -> bytes:

@@ -24,7 +24,8 @@ from services.picker.main import configure as picker_flags
 from services.picker.main import settings_from as picker_settings
 from services.registry.main import configure as registry_flags
 from services.registry.main import settings_from as registry_settings
-from shared.host.errors import ConfigError, PortInUse
+from shared.errors import ConfigError
+from shared.host.errors import PortInUse
 from shared.host.lifespan import Lifespan
 from tests.support.ports import free_port
 
@@ -165,7 +166,7 @@ def test_a_port_in_use_ends_every_service_the_same_way(service: str, tmp_path: P
             capture_output=True, text=True, timeout=30, cwd=ROOT)
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 1, output
-    assert output.splitlines() == [f"lig {service}: cannot listen on 127.0.0.1:{taken} "
+    assert output.splitlines() == [f"lig {service}: error: cannot listen on 127.0.0.1:{taken} "
                                    "(metrics): [Errno 98] Address already in use"], output
 
 

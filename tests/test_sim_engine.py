@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from scheduling import lig_sim_tokenizer
 from simulator import tokenizer
 from simulator.engine import (
     Engine,
@@ -161,12 +162,12 @@ def test_a_shared_system_prompt_is_cached_across_requests() -> None:
 
 def test_a_multi_turn_chat_reuses_the_blocks_of_the_previous_answer() -> None:
     turn1 = [("system", "You are terse."), ("user", "Tell me about prefix caching in vLLM.")]
-    prompt1 = tokenizer.encode(tokenizer.render_chat(turn1))
+    prompt1 = lig_sim_tokenizer.encode(lig_sim_tokenizer.render_chat(turn1))
     words = tokenizer.generate_words(64, seed=3)
     output = tuple(tokenizer.WORD_IDS[word] for word in words)
     answer = "".join(tokenizer.token_text(word, index == 0) for index, word in enumerate(words))
     turn2 = [*turn1, ("assistant", answer), ("user", "And with LoRA?")]
-    prompt2 = tokenizer.encode(tokenizer.render_chat(turn2))
+    prompt2 = lig_sim_tokenizer.encode(lig_sim_tokenizer.render_chat(turn2))
     assert prompt2[: len(prompt1) + len(output)] == prompt1 + output
 
     run = VirtualFleet([EngineConfig()]).run(

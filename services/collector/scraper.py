@@ -13,9 +13,10 @@ import time
 
 import httpx
 
-from services.collector.http_transport import KeepAliveTransport, PageTooLarge, scrape_client
+from protocols.http_transport import KeepAliveTransport, PageTooLarge, scrape_client
 from services.collector.observability import CollectorMetrics
 from services.collector.targets import ScrapeTarget
+from shared.errors import LigError
 from shared.schemas import PodMetrics
 from shared.vllm_metrics import MetricsParseError, ParsedMetrics, parse_vllm_metrics
 
@@ -34,7 +35,7 @@ class Outcome(enum.StrEnum):
     BAD_PAGE = "bad_page"
 
 
-class ScrapeFailed(Exception):
+class ScrapeFailed(LigError):
     """Internal: why a scrape produced no metrics."""
 
     def __init__(self, outcome: Outcome, message: str) -> None:

@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
+from protocols.http2 import Http2Server
 from scheduling.precise_index import PreciseIndex
 from services.picker import core
 from services.picker.batch_sender import BatchSender
@@ -35,7 +36,6 @@ from services.picker.decision_stream import (
 )
 from services.picker.ext_proc import ExternalProcessor, Processor, http2_handlers
 from services.picker.health import PickerHealth
-from services.picker.http2 import Http2Server
 from services.picker.kv_blocks_feed import KVBlocksSink
 from services.picker.kv_blocks_feed import subscribe as subscribe_kv_blocks
 from services.picker.metrics_feed import SnapshotSink, subscribe
@@ -44,6 +44,7 @@ from services.picker.pools import Gateway
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
 from services.picker.tls import TlsFiles, grpc_credentials, ssl_context
+from shared.errors import ExitCode
 from shared.host.errors import PortInUse
 from shared.host.lifespan import Lifespan
 from shared.nats_connection import NatsSettings, connection
@@ -56,7 +57,6 @@ log = logging.getLogger("lig.picker")
 
 HOUSEKEEPING_INTERVAL = 0.25  # seconds between readiness checks and gauge refreshes
 LISTENER_CHECK_INTERVAL = 0.25  # seconds between checks that the ext_proc server still listens
-EXIT_EXT_PROC_LOST = 3  # exit code when the ext_proc server stopped without being asked to
 SHUTDOWN_GRACE = 0.5  # seconds open streams get once the drain delay is over
 # What a picker needs to stop beyond its drain delay and grace: the NATS side, housekeeping and
 # the servers' close, each bounded (see serve); the --workers supervisor waits this long.
@@ -236,7 +236,7 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
     """The picker: serve until ``stop`` is set, then shut down within ~2 s plus the drain delay.
 
     Changes nothing process-wide: ``on_started`` (the entry point's ``gc.freeze``, say) runs
-    once every server listens. Returns 0, or :data:`EXIT_EXT_PROC_LOST`; raises
+    once every server listens. Returns 0, or ``ExitCode.EXT_PROC_LOST``; raises
     :class:`PortInUse` when a port cannot be bound (nothing stays open then).
     """
     metrics = PickerMetrics(registry)
@@ -292,12 +292,12 @@ async def serve(settings: PickerSettings, stop: asyncio.Event, registry: Collect
             # The ext_proc port no longer answers: report it at once and exit, so that Envoy,
             # the orchestrator (Kubernetes, the --workers supervisor) or the operator replace us.
             log.error("the ext_proc server stopped (%s); health reports NOT_SERVING and the "
-                      "picker exits with code %d to be restarted", lost, EXIT_EXT_PROC_LOST)
+                      "picker exits with code %d to be restarted", lost, ExitCode.EXT_PROC_LOST)
         else:
             shutdown.drain = settings.drain_delay if health.ready else 0.0  # never ready: idle
             log.info("picker stopping: health checks fail from now on; serving %.1fs more "
                      "while Envoy moves new requests to other replicas", shutdown.drain)
-    return 0 if lost is None else EXIT_EXT_PROC_LOST
+    return 0 if lost is None else ExitCode.EXT_PROC_LOST
 
 
 def _log_started(settings: PickerSettings, grpc_port: int, health_port: int,

@@ -1,4 +1,4 @@
-"""The picker's decision core, built one way for ``lig picker``, ``lig bench`` and ``lig explain``.
+"""The picker's decision core, built one way for ``lig picker`` and ``lig bench``.
 
 The core is a :class:`~services.picker.pools.Gateway`: per served pool a
 :class:`~services.picker.routing.Router` (model resolution with the weighted draw, criticality,
@@ -10,7 +10,9 @@ very same objects in virtual time (``clock``), so its numbers describe the code 
 It is configured with ``lig picker``'s own settings
 (:class:`~services.picker.settings.PickerSettings`): ``lig picker`` passes its flags, the
 benchmark the defaults (plus its pool), so ``lig bench --policies default`` runs exactly what a
-picker started without flags runs.
+picker started without flags runs. ``lig explain`` (pod views from a ``PodTable``) and the
+recording re-run (the recorded views) call the policy alone: no model resolution, prefix index
+or fallbacks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from services.picker.pools import Gateway, UnknownModels
 from services.picker.routing import DecisionCallback, RecordCallback, Router
 from services.picker.settings import PickerSettings
 from services.picker.state import PodTable
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 
 
 class CoreHooks(msgspec.Struct, frozen=True):

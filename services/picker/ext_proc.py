@@ -38,7 +38,7 @@ streamed chunks (then the trailers), and every response chunk comes back the sam
 (:mod:`services.picker.conformance`).
 
 :class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
-:class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`services.picker.http2`), and
+:class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`protocols.http2`), and
 :class:`ExternalProcessor` is the grpc.aio servicer around it.
 """
 

@@ -546,8 +546,8 @@ class Router:
     def _fallbacks(self, request: SchedulingRequest, pods: Sequence[PodView],
                    decision: Decision) -> tuple[str, ...]:
         """Up to ``self.fallbacks`` endpoints after the pick, in policy order: the policy runs
-        again over the pods not yet listed, so each fallback is the next-best decision (the
-        pick's fellow survivors of the filter tree usually come first, as they still pass)."""
+        again over the pods not yet listed, so each fallback is the next-best decision (under
+        ``filter-tree`` the pick's fellow survivors usually come first, as they still pass)."""
         wanted = self.fallbacks
         if wanted <= 0 or decision.pick is None:
             return ()

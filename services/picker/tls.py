@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import msgspec
 
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 
 
 class TlsFiles(msgspec.Struct, frozen=True):

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from services.picker.app import serve, stop_timeout, tune_process
 from services.picker.settings import PickerSettings
-from shared.host.errors import ServiceError
+from shared.errors import LigError
 from shared.host.metrics_http import MetricsServer
 from shared.logs import setup_logging
 from shared.service import run_service
@@ -43,7 +43,7 @@ def _worker(settings: PickerSettings) -> None:
     try:
         code = run_service(lambda stop: serve(settings, stop, CollectorRegistry(), None,
                                               reuse_port=True, on_started=gc.freeze))
-    except ServiceError as error:
+    except LigError as error:
         log.error("picker worker: %s", error)
         code = error.exit_code
     # The exit code says why a worker ended (the supervisor logs it and restarts the worker).
@@ -73,7 +73,7 @@ def supervise(settings: PickerSettings) -> int:
         multiprocess.MultiProcessCollector(registry, path=metrics_dir)
         try:
             metrics_server = MetricsServer.start(settings.host, settings.metrics_port, registry)
-        except ServiceError:
+        except LigError:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             raise
     workers = [spawn() for _ in range(settings.workers)]

@@ -12,10 +12,10 @@ Upstream field names are used wherever upstream has the field:
     (explicit members; ``port`` defaults to ``targetPortNumber``; ``address`` must be an IP because
     Envoy's original-destination cluster cannot resolve names), ``metrics: {path, port}`` (where
     the collector scrapes; defaults ``/metrics`` on the serving port), ``scheduling: {policy,
-    params}`` (default ``filter-tree`` with its default thresholds), ``rejectUnknownModels``
-    (default false: unknown model names pass through unchanged) and ``allowedNetworks`` (CIDRs
-    the endpoint addresses must lie in; default the private ranges, see
-    :mod:`services.registry.networks`).
+    params}`` (default ``prefix-aware``, ``shared.schemas.DEFAULT_POLICY_NAME``, with its default
+    parameters), ``rejectUnknownModels`` (default false: unknown model names pass through
+    unchanged) and ``allowedNetworks`` (CIDRs the endpoint addresses must lie in; default the
+    private ranges, see :mod:`services.registry.networks`).
 
 ``InferenceModel.spec``
     ``modelName`` (required), ``criticality`` (``Critical`` | ``Standard`` | ``Sheddable``, default

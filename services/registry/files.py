@@ -30,6 +30,7 @@ import msgspec
 import yaml
 
 from services.registry.loader import Document, Problem, Registry, build_registry
+from shared.errors import LigError
 
 if TYPE_CHECKING:  # libyaml's own Mark class, absent from PyYAML built without libyaml
     from yaml._yaml import Mark as LibyamlMark
@@ -107,7 +108,7 @@ def _read_at_most(path: Path, limit: int) -> bytes:
         return stream.read(limit)
 
 
-class LoadCancelled(Exception):
+class LoadCancelled(LigError):
     """Loading was given up on request (the registry is stopping)."""
 
 
@@ -158,7 +159,7 @@ def parse(snapshot: FileSnapshot, cancelled: Callable[[], bool] = lambda: False,
     return documents, problems
 
 
-class _FieldError(yaml.MarkedYAMLError):
+class _FieldError(LigError, yaml.MarkedYAMLError):
     """A document over one of this module's limits, or a value its tag cannot convert, at
     ``field`` (a path in the notation of the problems)."""
 

@@ -49,6 +49,7 @@ from scheduling import PolicyConfigError, build_policy
 from services.registry import crd
 from services.registry import networks as networks_module
 from services.registry.loader import Registry, unusable_address
+from shared.errors import LigError
 from shared.schemas import (
     DEFAULT_POLICY_NAME,
     Criticality,
@@ -84,7 +85,7 @@ MAX_TARGET_PORTS = 8
 Key = tuple[str, str, str]  # (kind, namespace, name)
 
 
-class BadObject(Exception):
+class BadObject(LigError):
     """An object that cannot be used; ``field`` locates the problem."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -31,6 +31,7 @@ import msgspec
 from scheduling import PolicyConfigError, build_policy
 from services.registry import crd
 from services.registry import networks as networks_module
+from shared.errors import ConfigError
 from shared.schemas import (
     Criticality,
     Endpoint,
@@ -96,7 +97,7 @@ class Registry(msgspec.Struct, frozen=True):
     endpoint_sets: tuple[EndpointSet, ...] = ()
 
 
-class InvalidRegistry(Exception):
+class InvalidRegistry(ConfigError):
     """The input has problems; nothing of it may be published."""
 
     def __init__(self, problems: Sequence[Problem]) -> None:

@@ -28,7 +28,7 @@ from services.registry.overrides import EndpointsOverride, OverrideError, read_o
 from services.registry.publisher import Publisher
 from services.registry.reconciler import Reconciler
 from shared import ports
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 from shared.host.lifespan import Lifespan
 from shared.host.settings import add_flags, from_args, option
 from shared.logs import LogLevel, setup_logging

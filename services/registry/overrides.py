@@ -19,6 +19,7 @@ import yaml
 
 from services.registry import crd
 from services.registry.loader import Registry, endpoint_set, unusable_address
+from shared.errors import ConfigError
 
 
 class EndpointsOverride(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -28,7 +29,7 @@ class EndpointsOverride(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     endpoints: list[crd.EndpointSpec]
 
 
-class OverrideError(Exception):
+class OverrideError(ConfigError):
     """The override file cannot be used; the message names it and says why."""
 
 

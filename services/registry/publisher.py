@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 
 from services.registry.guard import Refusal, removal_refusal
 from services.registry.loader import Registry
+from shared.errors import LigError
 from shared.logs import RateLimitedLog
 from shared.replication import ReplicaAlignmentError, align_replicas
 from shared.schemas import encode
@@ -80,7 +81,7 @@ def _rank(key: str) -> int:
     return next((i for i, prefix in enumerate(_ORDER) if key.startswith(prefix)), len(_ORDER))
 
 
-class RemovalRefused(Exception):
+class RemovalRefused(LigError):
     """A pass wrote nothing because it would have removed every pool or a pool's endpoints."""
 
     def __init__(self, refusal: Refusal) -> None:

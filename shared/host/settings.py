@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from shared.host.errors import ConfigError
+from shared.errors import ConfigError
 
 ENV_PREFIX = "LIG_"
 _TRUE = ("1", "true", "yes", "on")

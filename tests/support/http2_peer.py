@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import hpack
 
-from services.picker.http2 import (
+from protocols.http2 import (
     ACK,
     DATA,
     DEFAULT_WINDOW,
@@ -25,7 +25,7 @@ from services.picker.http2 import (
     Http2Connection,
     frame,
 )
-from services.picker.http2_limits import MIB, BufferBudget, Http2Limits
+from protocols.http2_limits import MIB, BufferBudget, Http2Limits
 
 PATH = b"/test.Echo/Chat"
 

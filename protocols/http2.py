@@ -14,7 +14,7 @@ TLS is the event loop's (``Http2Server.start(tls=...)``). Not supported: compres
 (refused with UNIMPLEMENTED; Envoy does not compress), server push (never used by a server of
 this kind).
 
-Limits (:class:`~services.picker.http2_limits.Http2Limits`, defaults in brackets; the `h2`
+Limits (:class:`~protocols.http2_limits.Http2Limits`, defaults in brackets; the `h2`
 library and gRPC's C core bound the same things, with the values noted):
 
 - Concurrent streams [1000] are advertised (SETTINGS_MAX_CONCURRENT_STREAMS) and enforced:
@@ -89,7 +89,8 @@ from typing import Protocol
 
 import hpack
 
-from services.picker.http2_limits import BufferBudget, Http2Limits, TokenBucket
+from protocols.http2_limits import BufferBudget, Http2Limits, TokenBucket
+from shared.errors import LigError
 from shared.logs import RateLimitedLog
 from shared.waits import wait_set
 
@@ -185,7 +186,7 @@ class StreamHandler(Protocol):
 Handlers = Mapping[bytes, Callable[[], StreamHandler]]  # method path -> a new call's handler
 
 
-class ProtocolFault(Exception):
+class ProtocolFault(LigError):
     """A connection error: answered with GOAWAY and the connection closed."""
 
     def __init__(self, code: int, reason: str) -> None:

@@ -1,6 +1,6 @@
 """The built-in HTTP/2 server's resource limits, and the budgets that enforce them.
 
-:class:`Http2Limits` holds every bound (see :mod:`services.picker.http2` for what each protects
+:class:`Http2Limits` holds every bound (see :mod:`protocols.http2` for what each protects
 against and where the defaults come from); :class:`TokenBucket` is a per-connection budget for
 frames that cost work without making progress; :class:`BufferBudget` is the server-wide budget
 of bytes all connections may make the server hold.

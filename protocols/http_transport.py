@@ -19,6 +19,8 @@ import ssl
 import h11
 import httpx
 
+from shared.errors import LigError
+
 # A vLLM metrics page is tens of kilobytes; anything this large is a misconfigured endpoint.
 # Small enough that a page streamed without Content-Length reaches it well within a scrape
 # timeout on a fast link, so it is reported as too large rather than as a timeout.
@@ -27,7 +29,7 @@ MAX_PAGE_BYTES = 4 * 1024 * 1024
 Origin = tuple[str, str, int]
 
 
-class PageTooLarge(httpx.RemoteProtocolError):
+class PageTooLarge(LigError, httpx.RemoteProtocolError):
     """The response body is (or announces to be) larger than ``MAX_PAGE_BYTES``."""
 
 
