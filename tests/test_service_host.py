@@ -129,8 +129,8 @@ def test_help_names_the_variable_of_every_flag() -> None:
 
 
 def test_help_is_the_same_on_every_host() -> None:
-    # A default computed at start (host name and pid) used to appear in help, so the README's
-    # generated reference wrapped differently from host to host and its test failed elsewhere.
+    # A default computed at start (host name and pid) used to appear in help, so docs/reference.md's
+    # generated help wrapped differently from host to host and its test failed elsewhere.
     for configure in (collector_flags, kv_events_flags):
         parser = argparse.ArgumentParser()
         configure(parser)  # type: ignore[operator]

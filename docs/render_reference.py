@@ -1,7 +1,7 @@
-"""Regenerate the reference sections of README.md from the code itself.
+"""Regenerate the reference sections of docs/reference.md from the code itself.
 
-    python docs/render_readme.py           # rewrite them
-    python docs/render_readme.py --check   # exit 1 if README.md is out of date
+    python docs/render_reference.py           # rewrite them
+    python docs/render_reference.py --check   # exit 1 if docs/reference.md is out of date
 
 Sections between ``<!-- BEGIN GENERATED: NAME -->`` and ``<!-- END GENERATED: NAME -->``:
 ``commands`` (every ``lig`` command's real ``--help``), ``environment`` (the variables those help
@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from lig.cli import COMMANDS  # noqa: E402
 
-README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "reference.md"
 HELP_WIDTH = "100"
 # "env LIG_X", or "env LIG_X or OLDER_NAME" for a variable also read under an older name.
 _ENV = re.compile(r"\benv\s+(LIG_[A-Z_]+(?:\s+or\s+[A-Z_]+)*)")
@@ -112,7 +112,7 @@ def render(text: str) -> str:
         pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: "
                              rf"{name} -->)", re.DOTALL)
         if not pattern.search(text):
-            raise ValueError(f"README.md has no generated section {name!r}")
+            raise ValueError(f"docs/reference.md has no generated section {name!r}")
         text = pattern.sub(partial(_fill, content=make()), text)
     return text
 
@@ -123,19 +123,20 @@ def _fill(match: re.Match[str], content: str) -> str:
 
 
 def main() -> int:
-    """Rewrite README.md, or with ``--check`` exit 1 when it is out of date."""
+    """Rewrite docs/reference.md, or with ``--check`` exit 1 when it is out of date."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
     args = parser.parse_args()
-    current = README.read_text()
+    current = REFERENCE.read_text()
     wanted = render(current)
     if args.check:
         if wanted != current:
-            print("README.md is out of date: run python docs/render_readme.py", file=sys.stderr)
+            print("docs/reference.md is out of date: run python docs/render_reference.py",
+                  file=sys.stderr)
             return 1
         return 0
-    README.write_text(wanted)
-    print("wrote README.md")
+    REFERENCE.write_text(wanted)
+    print("wrote docs/reference.md")
     return 0
 
 
