@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-unit lint bench attack chaos soak clean
+.PHONY: up test test-unit lint bench attack chaos soak clean promtool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,18 @@ up: $(STAMP)
 # (4 halved its time on 2 cores; docs/testing.md). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 4
 
-test: $(STAMP)
+test: $(STAMP) promtool
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=20
+
+# promtool checks the shipped alerting rules (tests/test_observability_assets.py); it comes with
+# Debian's prometheus package, installed here when missing (as root; otherwise install it yourself).
+promtool:
+	@command -v promtool >/dev/null || { export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } \
+	  || { echo "make: promtool is missing: install Debian's prometheus package (apt-get install prometheus)"; exit 1; }; }
 
 # The inner loop: unit tests only, no NATS, Envoy, subprocess or socket (tests/support/process_marker.py).
 test-unit: $(STAMP)

@@ -9,12 +9,16 @@ Derived files, so that compose and Kubernetes run exactly what ``lig up`` and th
 - ``deploy/registry/pool.yaml``: ``examples/local`` with the pool's endpoints at the compose
   simulator's fixed address (read from ``deploy/compose.yaml``);
 - ``deploy/kubernetes/configmaps.yaml``: the same two for Kubernetes (the pickers' headless
-  Service, the simulator Service's cluster IP read from ``deploy/kubernetes/sim.yaml``).
+  Service, the simulator Service's cluster IP read from ``deploy/kubernetes/sim.yaml``), and the
+  Grafana dashboards (ConfigMap ``lig-dashboards``, labelled for Grafana's dashboard sidecar);
+- ``deploy/grafana/<uid>.json``: the dashboards of ``deploy/grafana/dashboards.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import runpy
 import sys
 from pathlib import Path
 
@@ -34,6 +38,7 @@ COMPOSE_REGISTRY = DEPLOY / "registry" / "pool.yaml"
 KUBERNETES = DEPLOY / "kubernetes"
 KUBERNETES_CONFIGMAPS = KUBERNETES / "configmaps.yaml"
 KUBERNETES_NAMESPACE = "lig"
+GRAFANA = DEPLOY / "grafana"
 COMPOSE_PICKER_HOST = "picker"  # the compose service name: Docker's DNS returns every replica
 KUBERNETES_PICKER_HOST = f"picker.{KUBERNETES_NAMESPACE}.svc.cluster.local"
 SIM_PODS = 4
@@ -69,8 +74,16 @@ def registry_for(address: str) -> dict[str, str]:
     return stack_config.with_endpoints(EXAMPLE_CONFIG, pool, pods)
 
 
+def dashboards() -> dict[str, str]:
+    """Each Grafana dashboard's file name and JSON text."""
+    module = runpy.run_path(str(GRAFANA / "dashboards.py"))
+    return {f"{dashboard.uid}.json": json.dumps(module["grafana_json"](dashboard), indent=2) + "\n"
+            for dashboard in module["DASHBOARDS"]}
+
+
 def configmaps() -> str:
-    """The Kubernetes ConfigMaps holding the registry files and Envoy's bootstrap."""
+    """The Kubernetes ConfigMaps holding the registry files, Envoy's bootstrap and the Grafana
+    dashboards."""
     maps = [
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": "lig-registry", "labels": {"app.kubernetes.io/part-of": "lig"}},
@@ -78,6 +91,10 @@ def configmaps() -> str:
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": "lig-envoy", "labels": {"app.kubernetes.io/part-of": "lig"}},
          "data": {"envoy.yaml": envoy_for(KUBERNETES_PICKER_HOST)}},
+        {"apiVersion": "v1", "kind": "ConfigMap",
+         "metadata": {"name": "lig-dashboards", "labels": {"app.kubernetes.io/part-of": "lig",
+                                                           "grafana_dashboard": "1"}},
+         "data": dashboards()},
     ]
     return yaml.dump_all(maps, Dumper=_BlockStrings, sort_keys=False, width=100)
 
@@ -103,8 +120,10 @@ def rendered() -> dict[Path, str]:
         COMPOSE_REGISTRY: HEADER.format(sources=f"{relative} and deploy/compose.yaml")
         + registry_files[COMPOSE_REGISTRY.name],
         KUBERNETES_CONFIGMAPS: HEADER.format(
-            sources=f"envoy_bootstrap/envoy.yaml, {relative} and deploy/kubernetes/sim.yaml")
+            sources=f"envoy_bootstrap/envoy.yaml, {relative}, deploy/kubernetes/sim.yaml and "
+                    "deploy/grafana/dashboards.py")
         + configmaps(),
+        **{GRAFANA / name: text for name, text in dashboards().items()},
     }
 
 

@@ -269,6 +269,18 @@ class StackPlan(msgspec.Struct, frozen=True):
     def picker_metrics_urls(self) -> list[str]:
         return [f"http://{LOOPBACK}:{p.metrics}/metrics" for p in self.ports.pickers]
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Every Prometheus endpoint of the stack by name: each service's, and each simulated
+        pod's vLLM metrics (what a Prometheus scraping the stack reads)."""
+        urls = {"registry": self.ports.registry_metrics,
+                "collector": self.ports.collector_metrics}
+        if self.kv_events:
+            urls["kv-events"] = self.ports.kv_events_metrics
+        urls.update({f"picker-{i}": p.metrics for i, p in enumerate(self.ports.pickers)})
+        named = {name: f"http://{LOOPBACK}:{port}/metrics" for name, port in urls.items()}
+        named.update({f"pod {pod.hostport}": f"http://{pod.hostport}/metrics" for pod in self.pods})
+        return named
+
     def gateway_url(self) -> str:
         return f"http://{LOOPBACK}:{self.ports.gateway}"
 
@@ -284,6 +296,7 @@ class StackInfo(msgspec.Struct, frozen=True):
     pid: int
     ports: list[int] = []  # every port the stack's children listen on
     pools: list[str] = []  # every pool served (``pool`` is the first)
+    metrics: dict[str, str] = {}  # every Prometheus endpoint by name (services and pods)
 
     def write(self, state_dir: Path) -> Path:
         path = state_dir / STACK_FILE

@@ -257,7 +257,7 @@ async def _up(plan: StackPlan, children: list[ChildSpec], registry: Registry, ve
             return ExitCode.FAILURE
         StackInfo(plan.nats_url, plan.prefix, plan.pool, plan.gateway_url(),
                   plan.picker_metrics_urls(), os.getpid(), planned_ports(plan),
-                  plan.pools).write(state_dir)
+                  plan.pools, plan.metrics_urls()).write(state_dir)
         print(summary(plan, registry, supervisor, time.monotonic() - started), flush=True)
         dead = await _watch(supervisor, stop)
         if dead is not None:
