@@ -11,14 +11,15 @@ Derived files, so that compose and Kubernetes run exactly what ``lig up`` and th
 - ``deploy/kubernetes/configmaps.yaml``: the same two for Kubernetes (the pickers' headless
   Service, the simulator Service's cluster IP read from ``deploy/kubernetes/sim.yaml``), and the
   Grafana dashboards (ConfigMap ``lig-dashboards``, labelled for Grafana's dashboard sidecar);
-- ``deploy/grafana/<uid>.json``: the dashboards of ``deploy/grafana/dashboards.py``.
+- ``deploy/grafana/<uid>.json``: the dashboards of ``monitoring/dashboards.py``;
+- ``deploy/prometheus/lig-rules.yaml``: the alerting rules ``monitoring/lig-rules.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
-import runpy
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(DEPLOY.parent))
 from envoy_bootstrap import PickerEndpoint, render_envoy_config  # noqa: E402
 from lig import stack_config  # noqa: E402
 from lig.topology import EXAMPLE_CONFIG  # noqa: E402
+from monitoring.dashboards import DASHBOARDS, grafana_json  # noqa: E402
 from shared import ports  # noqa: E402
 
 COMPOSE_FILE = DEPLOY / "compose.yaml"
@@ -39,6 +41,7 @@ KUBERNETES = DEPLOY / "kubernetes"
 KUBERNETES_CONFIGMAPS = KUBERNETES / "configmaps.yaml"
 KUBERNETES_NAMESPACE = "lig"
 GRAFANA = DEPLOY / "grafana"
+PROMETHEUS_RULES = DEPLOY / "prometheus" / "lig-rules.yaml"
 COMPOSE_PICKER_HOST = "picker"  # the compose service name: Docker's DNS returns every replica
 KUBERNETES_PICKER_HOST = f"picker.{KUBERNETES_NAMESPACE}.svc.cluster.local"
 SIM_PODS = 4
@@ -76,9 +79,8 @@ def registry_for(address: str) -> dict[str, str]:
 
 def dashboards() -> dict[str, str]:
     """Each Grafana dashboard's file name and JSON text."""
-    module = runpy.run_path(str(GRAFANA / "dashboards.py"))
-    return {f"{dashboard.uid}.json": json.dumps(module["grafana_json"](dashboard), indent=2) + "\n"
-            for dashboard in module["DASHBOARDS"]}
+    return {f"{dashboard.uid}.json": json.dumps(grafana_json(dashboard), indent=2) + "\n"
+            for dashboard in DASHBOARDS}
 
 
 def configmaps() -> str:
@@ -121,9 +123,11 @@ def rendered() -> dict[Path, str]:
         + registry_files[COMPOSE_REGISTRY.name],
         KUBERNETES_CONFIGMAPS: HEADER.format(
             sources=f"envoy_bootstrap/envoy.yaml, {relative}, deploy/kubernetes/sim.yaml and "
-                    "deploy/grafana/dashboards.py")
+                    "monitoring/dashboards.py")
         + configmaps(),
         **{GRAFANA / name: text for name, text in dashboards().items()},
+        PROMETHEUS_RULES: HEADER.format(sources="monitoring/lig-rules.yaml")
+        + importlib.resources.files("monitoring").joinpath("lig-rules.yaml").read_text(),
     }
 
 

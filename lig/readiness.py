@@ -114,6 +114,9 @@ class _Stack:
     async def gateway(self) -> bool:
         return await http_ok(self.client, f"{self.plan.gateway_url()}/v1/models")
 
+    async def prometheus(self) -> bool:
+        return await http_ok(self.client, f"{self.plan.prometheus_url()}/-/ready")
+
 
 def _checks(stack: _Stack) -> list[Check]:
     plan = stack.plan
@@ -128,6 +131,8 @@ def _checks(stack: _Stack) -> list[Check]:
         checks.append(Check(f"picker-{i}", partial_grpc(f"{LOOPBACK}:{picker.health}"),
                             f"picker-{i}"))
     checks += [Check("envoy", stack.envoy, "envoy"), Check("gateway", stack.gateway, "envoy")]
+    if plan.prometheus:
+        checks.append(Check("prometheus", stack.prometheus, "prometheus"))
     return checks
 
 

@@ -43,6 +43,7 @@ PICKER_METRICS_PORT = ports.PICKER_METRICS
 COLLECTOR_METRICS_PORT = ports.COLLECTOR_METRICS
 REGISTRY_METRICS_PORT = ports.REGISTRY_METRICS
 KV_EVENTS_METRICS_PORT = ports.KV_EVENTS_METRICS
+PROMETHEUS_PORT = ports.PROMETHEUS
 # Where a simulated pod's KV-event sockets are, relative to the port it serves on.
 KV_EVENTS_OFFSET = ports.SIMULATOR_KV_EVENTS_BASE - ports.SIMULATOR_BASE
 KV_REPLAY_OFFSET = ports.SIMULATOR_KV_REPLAY_BASE - ports.SIMULATOR_BASE
@@ -73,6 +74,7 @@ class Ports(msgspec.Struct, frozen=True):
     sim_base: int
     pickers: tuple[PickerPorts, ...]
     kv_events_metrics: int = KV_EVENTS_METRICS_PORT
+    prometheus: int = PROMETHEUS_PORT  # lig up --observe
     kv_events_offset: int = KV_EVENTS_OFFSET
     kv_replay_offset: int = KV_REPLAY_OFFSET
 
@@ -122,7 +124,8 @@ def free_ports(leases: PortLeases, pickers: int, pods: int,
         gateway=gateway, envoy_admin=take(), nats=take(), registry_metrics=take(),
         collector_metrics=take(), sim_base=sim_base,
         pickers=tuple(PickerPorts(take(), take(), take()) for _ in range(pickers)),
-        kv_events_metrics=take(), kv_events_offset=events, kv_replay_offset=replay,
+        kv_events_metrics=take(), prometheus=take(), kv_events_offset=events,
+        kv_replay_offset=replay,
     )
 
 
@@ -173,6 +176,7 @@ class StackPlan(msgspec.Struct, frozen=True):
     tokenizers: dict[str, str] = {}  # pool -> the pickers' --tokenizer spec
     prefix: str = "lig"
     log_level: str = "INFO"
+    prometheus: list[str] = []  # lig up --observe: the Prometheus command (none without it)
 
     def lig(self, *args: str) -> list[str]:
         """argv of a ``lig`` subcommand run by this Python."""
@@ -234,6 +238,8 @@ class StackPlan(msgspec.Struct, frozen=True):
             server_binary("envoy"), "--config-path", self.envoy_config,
             "--disable-hot-restart", "--log-level", "warning",
         ]))
+        if self.prometheus:
+            specs.append(ChildSpec("prometheus", self.prometheus))
         return [ChildSpec(s.name, s.argv, {"PYTHONUNBUFFERED": "1"}) for s in specs]
 
     def sim_kv_events_flags(self, base_port: int) -> list[str]:
@@ -284,6 +290,10 @@ class StackPlan(msgspec.Struct, frozen=True):
     def gateway_url(self) -> str:
         return f"http://{LOOPBACK}:{self.ports.gateway}"
 
+    def prometheus_url(self) -> str:
+        """Where ``lig up --observe``'s Prometheus serves its UI and API ("" without it)."""
+        return f"http://{LOOPBACK}:{self.ports.prometheus}" if self.prometheus else ""
+
 
 class StackInfo(msgspec.Struct, frozen=True):
     """What ``lig up`` writes to ``<state>/stack.json`` while it runs, for ``lig status``."""
@@ -297,6 +307,7 @@ class StackInfo(msgspec.Struct, frozen=True):
     ports: list[int] = []  # every port the stack's children listen on
     pools: list[str] = []  # every pool served (``pool`` is the first)
     metrics: dict[str, str] = {}  # every Prometheus endpoint by name (services and pods)
+    prometheus: str = ""  # lig up --observe's Prometheus
 
     def write(self, state_dir: Path) -> Path:
         path = state_dir / STACK_FILE

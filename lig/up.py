@@ -20,6 +20,8 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+import msgspec
+
 from envoy_bootstrap import render_envoy_config
 from lig import readiness, stack_config
 from lig.port_leases import PortLeases
@@ -41,6 +43,7 @@ from lig.topology import (
     free_ports,
     ports_in_use,
 )
+from monitoring import prometheus
 from services.registry.loader import Registry
 from shared.errors import ConfigError, ExitCode, LigError
 from shared.logs import setup_logging
@@ -74,6 +77,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "byte and usage, and the predicted/observed prefix-cache reuse "
                              "counters (lig_picker_reused_tokens_*); --no-record-responses runs "
                              "them as a production picker runs by default")
+    parser.add_argument("--observe", action="store_true",
+                        help="also run Prometheus (Debian's prometheus package) scraping every "
+                             "service and simulated pod every 2 s with the shipped alerting "
+                             "rules, its UI on 127.0.0.1:9095 (--free-ports: a free port); see "
+                             "docs/observability.md")
+    parser.add_argument("--prometheus", default="prometheus", metavar="BINARY",
+                        help="the Prometheus 2.x binary --observe runs (a path, or a command "
+                             "on PATH)")
     parser.add_argument("--kv-events-args", default="", metavar="ARGS",
                         help="more flags for `lig kv-events`, in one string (e.g. "
                              "--kv-events-args='--events-port 5557 --replay-port 5558' for real "
@@ -206,6 +217,8 @@ def make_plan(args: argparse.Namespace,
         prefix=args.prefix,
         log_level=args.log_level,
     )
+    if args.observe:
+        plan = _observed(plan, state_dir, args.prometheus)
     outside = [port for port in plan.kv_event_ports() if not 0 < port <= 65535]
     if outside:
         raise ConfigError(
@@ -228,6 +241,18 @@ def make_plan(args: argparse.Namespace,
     return plan, registry
 
 
+def _observed(plan: StackPlan, state_dir: Path, binary: str) -> StackPlan:
+    """``plan`` with a Prometheus scraping every metrics endpoint of it, with the shipped
+    alerting rules; writes its configuration and rules into ``state_dir``."""
+    executable = prometheus.binary(binary)
+    rules = state_dir / prometheus.RULES_FILE
+    rules.write_text(prometheus.rules_text())
+    config = state_dir / "prometheus.yml"
+    config.write_text(prometheus.config(plan.metrics_urls(), rules))
+    return msgspec.structs.replace(plan, prometheus=prometheus.command(
+        executable, config, state_dir / "prometheus-data", f"{LOOPBACK}:{plan.ports.prometheus}"))
+
+
 def planned_ports(plan: StackPlan) -> list[int]:
     """Every port the plan's children will listen on."""
     ports: Ports = plan.ports
@@ -236,6 +261,8 @@ def planned_ports(plan: StackPlan) -> list[int]:
               *(pod.port for pod in plan.pods), *plan.kv_event_ports()]
     if plan.kv_events:
         listed.append(ports.kv_events_metrics)
+    if plan.prometheus:
+        listed.append(ports.prometheus)
     return [ports.nats, *listed] if plan.embedded_nats else listed
 
 
@@ -257,7 +284,7 @@ async def _up(plan: StackPlan, children: list[ChildSpec], registry: Registry, ve
             return ExitCode.FAILURE
         StackInfo(plan.nats_url, plan.prefix, plan.pool, plan.gateway_url(),
                   plan.picker_metrics_urls(), os.getpid(), planned_ports(plan),
-                  plan.pools, plan.metrics_urls()).write(state_dir)
+                  plan.pools, plan.metrics_urls(), plan.prometheus_url()).write(state_dir)
         print(summary(plan, registry, supervisor, time.monotonic() - started), flush=True)
         dead = await _watch(supervisor, stop)
         if dead is not None:
@@ -313,6 +340,10 @@ def summary(plan: StackPlan, registry: Registry, supervisor: Supervisor, elapsed
         rows.append((f"picker-{i}", f"ext_proc :{picker.grpc}, health :{picker.health}, "
                                     f"metrics :{picker.metrics}{precise}",
                      pids.get(f"picker-{i}")))
+    if plan.prometheus:
+        rows.append(("prometheus", f"{plan.prometheus_url()}  (every service and pod, the "
+                                   f"shipped alerts: {plan.prometheus_url()}/alerts)",
+                     pids.get("prometheus")))
     for sim in plan.sims:
         name = plan.sim_name(sim)
         rows.append((name, f"{len(sim.pods)} pods of {sim.pool} on :{sim.pods[0].port}-"

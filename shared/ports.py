@@ -18,6 +18,7 @@ REGISTRY_METRICS = 9092
 KV_EVENTS = 5557  # vLLM's default KV-cache event PUB port (--kv-events-config)
 KV_EVENTS_REPLAY = 5558  # the replay ROUTER port vLLM's docs use
 KV_EVENTS_METRICS = 9093  # lig kv-events' own /metrics
+PROMETHEUS = 9095  # lig up --observe: the Prometheus that scrapes the stack
 # lig sim hosts many pods on one host, so pod i's KV-event sockets sit at a base + i (lig up,
 # compose and the Kubernetes demo); lig kv-events reaches them as offsets from the serving port.
 SIMULATOR_KV_EVENTS_BASE = 7000  # pod i's PUB socket: 7000 + i (SIMULATOR_BASE - 1000)

@@ -1,7 +1,7 @@
 """The Grafana dashboards of an llm-instance-gateway stack, as data: ``deploy/render.py`` writes
 each as ``deploy/grafana/<uid>.json`` (import it in Grafana, or mount the Kubernetes ConfigMap
-``lig-dashboards``), and ``tests/test_observability_assets.py`` checks that every metric and label
-a panel names is exported by a service of a running ``lig up`` stack.
+``lig-dashboards``), and ``tests/test_monitoring.py`` checks that every metric and label a panel
+names is exported by a service of a running ``lig up`` stack.
 
 Every dashboard takes its Prometheus data source from the variable ``datasource``. Series carry
 ``instance`` (the scraped service, added by Prometheus); the picker's per-pod series ``pod``, its

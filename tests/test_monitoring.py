@@ -1,18 +1,21 @@
-"""The shipped dashboards and alerting rules match what the services export.
+"""The shipped dashboards and alerting rules match what the services export, and fire.
 
-Every metric and label that a Grafana panel (``deploy/grafana/dashboards.py``) or an alerting rule
-(``deploy/prometheus/lig-rules.yaml``) names must be exported by a service, or by a simulated
+Every metric and label that a Grafana panel (``monitoring/dashboards.py``) or an alerting rule
+(``monitoring/lig-rules.yaml``) names must be exported by a service, or by a simulated
 vLLM pod, of a running ``lig up`` stack: the stack is scraped while requests are in flight. The
 rules pass ``promtool check rules`` and every alert fires in ``promtool test rules`` (Debian's
-``prometheus`` package; ``make test`` installs it when missing).
+``prometheus`` package; ``make test`` installs it when missing). ``lig up --observe`` runs a real
+Prometheus with those rules, and an alert fires when the pods' metrics stop.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 import shutil
+import signal
 import subprocess
 import threading
 import urllib.request
@@ -26,12 +29,13 @@ from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from lig.topology import StackInfo
+from monitoring import dashboards
 from tests.support.lig_up import lig_up
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "prometheus" / "lig-rules.yaml"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "lig-rules.test.yaml"
-DASHBOARDS = runpy.run_path(str(REPO / "deploy" / "grafana" / "dashboards.py"))
 REFERENCE = runpy.run_path(str(REPO / "docs" / "render_reference.py"))
 
 # A metric name in PromQL: ours and vLLM's (which has colons).
@@ -69,8 +73,7 @@ def test_the_rules_are_valid_and_every_alert_fires_in_its_unit_test() -> None:
 def _queries() -> list[str]:
     rules = [rule["expr"] for group in yaml.safe_load(RULES.read_text())["groups"]
              for rule in group["rules"]]
-    queries: list[str] = DASHBOARDS["queries"]()
-    return rules + queries
+    return rules + dashboards.queries()
 
 
 def _family(name: str, exported: dict[str, set[str]]) -> str | None:
@@ -167,3 +170,35 @@ def test_each_dashboard_is_rendered_and_takes_its_data_source_from_a_variable(ui
     for panel in dashboard["panels"]:
         assert panel["targets"], panel["title"]
         assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+
+
+def _firing(prometheus: str) -> set[str]:
+    """The names of the alerts firing now in the Prometheus at ``prometheus``."""
+    with urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5) as response:
+        alerts = json.loads(response.read())["data"]["alerts"]
+    return {alert["labels"]["alertname"] for alert in alerts if alert["state"] == "firing"}
+
+
+def test_lig_up_observe_fires_an_alert_when_the_pods_metrics_stop(tmp_path: Path) -> None:
+    with lig_up(tmp_path / "state", "--observe") as stack:
+        info = stack.info
+        assert info.prometheus, "lig up --observe names no Prometheus"
+
+        def scraped() -> set[str]:  # the services whose last scrape succeeded
+            with urllib.request.urlopen(f"{info.prometheus}/api/v1/targets",
+                                        timeout=5) as response:
+                targets = json.loads(response.read())["data"]["activeTargets"]
+            return {t["labels"]["service"] for t in targets if t["health"] == "up"}
+
+        wait_until(lambda: scraped() == set(info.metrics), within=30,
+                   what="Prometheus scraping every service and pod of the stack")
+        assert _firing(info.prometheus) == set()
+        sim = next(pid for pid in stack.child_pids()
+                   if b"\0sim\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(sim, signal.SIGSTOP)  # every pod's /metrics stops answering
+        try:
+            # Stale after 3 s (the test stack's timing), then the rule's `for: 30s`.
+            wait_until(lambda: "LigPoolWithoutFreshPods" in _firing(info.prometheus),
+                       within=120, what="LigPoolWithoutFreshPods firing")
+        finally:
+            os.kill(sim, signal.SIGCONT)
