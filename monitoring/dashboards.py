@@ -111,6 +111,11 @@ PIPELINE = Dashboard("lig-pipeline", "lig: collectors, KV events and registry", 
         ("resyncs", "sum(increase(lig_kv_events_resyncs_total[5m]))"),
         ("publish errors", "sum(increase(lig_kv_events_publish_errors_total[5m]))"),
         ("buffered while NATS away", "sum(lig_kv_events_buffered_messages)"),)),
+    Panel("JetStream copies per stream", (
+        ("{{stream}} {{state}}", "max by (stream, state) (lig_collector_stream_replicas)"),),
+          description="Configured (--nats-replicas) and current copies of the registry's "
+                      "bucket and the recording streams; fewer current than configured: a NATS "
+                      "node is down or behind."),
     Panel("Registry", (
         ("reloads {{outcome}}", "sum by (outcome) (increase(lig_registry_reloads_total[5m]))"),
         ("refused {{reason}}", "sum by (reason) (increase(lig_registry_refused_total[5m]))"),

@@ -10,13 +10,18 @@ services say so loudly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.api import StreamInfo
 from nats.js.errors import APIError
 
+from shared import waits
 from shared.errors import LigError
 
 log = logging.getLogger("lig.nats")
@@ -80,3 +85,29 @@ async def align_replicas(js: JetStreamContext, stream: str, replicas: int) -> bo
         raise ReplicaAlignmentError(str(exc) or type(exc).__name__) from exc
     log.info("stream %s: replicas %d -> %d", stream, before, replicas)
     return True
+
+
+def replica_counts(info: StreamInfo) -> tuple[int, int]:
+    """A stream's copies: ``(configured, current)``. Current counts the leader and every
+    replica caught up with it; a stream of a server without a cluster has its one copy."""
+    configured = info.config.num_replicas or 1
+    cluster = info.cluster
+    if cluster is None or not cluster.name:
+        return configured, 1
+    caught_up = sum(1 for peer in cluster.replicas or () if peer.current and not peer.offline)
+    return configured, (1 if cluster.leader else 0) + caught_up
+
+
+async def watch_replicas(js: JetStreamContext, streams: Sequence[str],
+                         on_counts: Callable[[str, int, int], None], stop: asyncio.Event,
+                         interval_s: float = 5.0) -> None:
+    """Every ``interval_s`` until ``stop``: ``on_counts(stream, configured, current)`` for each
+    of ``streams`` that answers (one that does not, not yet created or NATS away, is skipped and
+    tried again next time)."""
+    while not stop.is_set():
+        for stream in streams:
+            try:
+                on_counts(stream, *replica_counts(await js.stream_info(stream)))
+            except (NatsError, TimeoutError) as exc:
+                log.debug("stream %s: no replica count (%s)", stream, exc)
+        await waits.wait_set(stop, interval_s)

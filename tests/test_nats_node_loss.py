@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -235,14 +236,35 @@ async def test_losing_the_busiest_nats_node_under_load(
                 subjects.metrics_stream)).state.last_seq
             assert recorded_then > recorded_before + len(pods) * 10
 
+            # What the alert on lost copies reads: the collector counts 2 of 3 current.
+            collector = stack.info.metrics["collector"]
+            await eventually(lambda: stream_copies(collector, kv_stream) == (3, 2), within=30,
+                             what=f"the collector counting 2 of 3 copies of {kv_stream}")
+
             # The node comes back and catches up on both streams.
             victim.start()
             for stream in (kv_stream, subjects.metrics_stream):
                 await eventually_async(lambda s=stream: stream_caught_up(nc, s, victim.name),
                                        within=20, what=f"{victim.name} caught up on {stream}")
+            await eventually(lambda: stream_copies(collector, kv_stream) == (3, 3), within=30,
+                             what=f"the collector counting 3 of 3 copies of {kv_stream}")
         finally:
             await nc.close()
         assert stack.process.poll() is None, stack.output()
+
+
+def stream_copies(metrics_url: str, stream: str) -> tuple[int, int] | None:
+    """``(configured, current)`` copies of ``stream`` on the collector's ``/metrics``."""
+    with urllib.request.urlopen(metrics_url, timeout=2) as response:
+        page = response.read().decode()
+    counts = {}
+    for family in text_string_to_metric_families(page):
+        if family.name == "lig_collector_stream_replicas":
+            counts = {sample.labels["state"]: int(sample.value) for sample in family.samples
+                      if sample.labels["stream"] == stream}
+    if set(counts) != {"configured", "current"}:
+        return None
+    return counts["configured"], counts["current"]
 
 
 async def eventually_async(condition, within: float, what: str) -> None:  # type: ignore[no-untyped-def]

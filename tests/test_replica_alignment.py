@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 
 import nats.errors
 import pytest
-from nats.js.api import StreamConfig
+from nats.js.api import ClusterInfo, PeerInfo, StreamConfig, StreamInfo, StreamState
 from nats.js.errors import BadRequestError
 
 from services.registry.publisher import Publisher
 from shared.recording import ensure_stream, recording_config
-from shared.replication import ReplicaAlignmentError, align_replicas
+from shared.replication import ReplicaAlignmentError, align_replicas, replica_counts
 
 
 @dataclass
@@ -79,3 +79,22 @@ async def test_a_recording_stream_keeps_recording_when_the_update_times_out(
     with caplog.at_level(logging.ERROR, logger="lig.recording"):
         assert await ensure_stream(cluster, wanted) == "unchanged"  # type: ignore[arg-type]
     assert "cannot change to 3 replicas, keeping 1" in caplog.text
+
+
+def _stream(replicas: int, cluster: ClusterInfo | None) -> StreamInfo:
+    return StreamInfo(config=StreamConfig(name="s", num_replicas=replicas),
+                      state=StreamState(messages=0, bytes=0, first_seq=0, last_seq=0,
+                                        consumer_count=0), cluster=cluster)
+
+
+def test_replica_counts_count_the_leader_and_the_replicas_caught_up() -> None:
+    peers = [PeerInfo(name="n2", current=True, offline=False),
+             PeerInfo(name="n3", current=False, offline=False),
+             PeerInfo(name="n4", current=True, offline=True)]
+    assert replica_counts(_stream(3, ClusterInfo(name="c", leader="n1", replicas=peers))) == (3, 2)
+    # No leader (an election under way): only the caught-up replica.
+    assert replica_counts(_stream(3, ClusterInfo(name="c", leader=None,
+                                                 replicas=peers[:1]))) == (3, 1)
+    # A single server (no cluster) holds its one copy.
+    assert replica_counts(_stream(1, None)) == (1, 1)
+    assert replica_counts(_stream(1, ClusterInfo(name=None, leader="n1"))) == (1, 1)

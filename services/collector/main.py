@@ -15,6 +15,7 @@ from typing import Annotated
 
 import msgspec
 from nats.aio.client import Client
+from nats.js.client import KV_STREAM_TEMPLATE
 
 from services.collector.membership import HeartbeatSubjects, Membership, default_member_id
 from services.collector.observability import CollectorMetrics
@@ -27,6 +28,7 @@ from services.collector.recording import (
     REGISTRY_MAX_BYTES,
     StreamBytes,
     keep_stream,
+    recording_configs,
 )
 from services.collector.scrape_supervisor import ScrapeSupervisor
 from services.collector.scraper import Scraper
@@ -37,7 +39,7 @@ from shared.host.settings import add_flags, from_args, option
 from shared.logs import LogLevel, setup_logging
 from shared.nats_connection import NatsSettings, connection
 from shared.registry_view import RegistryView, RegistryWatcher
-from shared.replication import warn_about_replication
+from shared.replication import warn_about_replication, watch_replicas
 from shared.service import run_service
 from shared.subjects import Subjects
 
@@ -170,6 +172,11 @@ class Collector:
             on_undecodable=lambda key, exc: self.metrics.undecodable.labels("registry").inc())
         life.callback(self._stop_recording)
         self._start_recording(nc)
+        # Copies of the stack's streams, for the alert on a cluster that lost a node.
+        streams = [*(str(c.name) for c in recording_configs(self.subjects, 1.0)),
+                   KV_STREAM_TEMPLATE.format(bucket=self.subjects.registry_bucket)]
+        life.task(watch_replicas(nc.jetstream(), streams, self._count_replicas, stop),
+                  finish=SHUTDOWN_TIMEOUT_S)
         # Membership announces that this collector leaves, so peers take over at once.
         life.task(self.membership.run(stop), finish=SHUTDOWN_TIMEOUT_S)
         life.task(self.watcher.run(stop), finish=SHUTDOWN_TIMEOUT_S)
@@ -178,6 +185,10 @@ class Collector:
                  "nats %s", settings.collector_id, settings.interval_s, settings.timeout_s,
                  f"{settings.host}:{settings.metrics_port}" if settings.metrics_port else "off",
                  settings.nats.url)
+
+    def _count_replicas(self, stream: str, configured: int, current: int) -> None:
+        self.metrics.stream_replicas.labels(stream, "configured").set(configured)
+        self.metrics.stream_replicas.labels(stream, "current").set(current)
 
     def rebalance(self) -> None:
         """Scrape exactly the pods this collector owns now."""

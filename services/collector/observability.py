@@ -36,6 +36,11 @@ class CollectorMetrics:
                                 "Pods this collector scrapes", registry=r)
         self.live_collectors = Gauge("lig_collector_live_collectors",
                                      "Collectors sharing the pods, this one included", registry=r)
+        self.stream_replicas = Gauge(
+            "lig_collector_stream_replicas",
+            "Copies of each JetStream stream of the stack (the recording streams, the registry's "
+            "bucket) by state: configured, and current (the leader and the replicas caught up)",
+            ["stream", "state"], registry=r)
         self.undecodable = Counter("lig_collector_undecodable_messages",
                                    "Registry entries or heartbeats skipped as undecodable",
                                    ["source"], registry=r)
