@@ -70,7 +70,9 @@ PICKERS = Dashboard("lig-pickers", "lig: pickers", "Decisions, their latency and
           description="Requests in flight (own, peers') and routed since the pod's newest "
                       "snapshot (unreported)."),
     Panel("Gray exclusions", (("{{pod}} {{reason}}", "sum by (pod, reason) "
-                               "(rate(lig_picker_gray_exclusions_total[5m]))"),), unit="ops"),
+                               "(rate(lig_picker_gray_exclusions_total[5m])) or on() vector(0)"),),
+          unit="ops", description="0 while no pod was left out (a counter has no series "
+                                  "before its first exclusion)."),
     Panel("Prefix reuse: predicted vs observed tokens", (
         ("predicted", "sum(rate(lig_picker_reused_tokens_predicted_total[5m]))"),
         ("observed", "sum(rate(lig_picker_reused_tokens_observed_total[5m]))"),),
@@ -90,8 +92,9 @@ PICKERS = Dashboard("lig-pickers", "lig: pickers", "Decisions, their latency and
         ("blocks {{pool}}", "max by (pool) (lig_picker_precise_blocks)"),
         ("incomplete pods {{pool}}", "max by (pool) (lig_picker_precise_incomplete_pods)"),)),
     Panel("HTTP/2 protocol errors", (("{{kind}}", "sum by (kind) "
-                                      "(rate(lig_picker_http2_errors_total[5m]))"),),
-          unit="ops"),
+                                      "(rate(lig_picker_http2_errors_total[5m])) "
+                                      "or on() vector(0)"),),
+          unit="ops", description="0 while there were none."),
 ))
 
 PIPELINE = Dashboard("lig-pipeline", "lig: collectors, KV events and registry", "What feeds "
@@ -155,3 +158,9 @@ def queries() -> list[str]:
     """Every PromQL expression of every dashboard (for the test)."""
     return [expr for dashboard in DASHBOARDS for panel in dashboard.panels
             for _, expr in panel.queries]
+
+
+def panels() -> dict[str, list[str]]:
+    """Each panel (``dashboard uid / title``) and its PromQL expressions (for the test)."""
+    return {f"{dashboard.uid} / {panel.title}": [expr for _, expr in panel.queries]
+            for dashboard in DASHBOARDS for panel in dashboard.panels}

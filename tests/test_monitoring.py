@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
@@ -124,16 +125,8 @@ def test_every_metric_and_label_the_dashboards_and_rules_name_is_exported(
         info = StackInfo.read(tmp_path / "state")
         assert info is not None and info.metrics, "lig up lists no metrics endpoints"
         assert {"registry", "collector", "kv-events", "picker-0", "picker-1"} <= set(info.metrics)
-        stop = threading.Event()
-
-        def load() -> None:  # requests in flight while the stack is scraped
-            with httpx.Client(base_url=stack.gateway, timeout=30) as client:
-                while not stop.is_set():
-                    for model in ("tweet-summary", "meta-llama/Llama-3.1-8B-Instruct"):
-                        client.post("/v1/completions", json={
-                            "model": model, "prompt": "Say hello", "max_tokens": 64})
-
-        clients = [threading.Thread(target=load) for _ in range(4)]
+        stop = threading.Event()  # requests in flight while the stack is scraped
+        clients = [threading.Thread(target=_load, args=(stack.gateway, stop)) for _ in range(4)]
         for client in clients:
             client.start()
         try:
@@ -172,6 +165,29 @@ def test_each_dashboard_is_rendered_and_takes_its_data_source_from_a_variable(ui
         assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
 
 
+def _load(gateway: str, stop: threading.Event) -> None:
+    """Completions of the base model and an adapter through ``gateway`` until ``stop``."""
+    with httpx.Client(base_url=gateway, timeout=30) as client:
+        while not stop.is_set():
+            for model in ("tweet-summary", "meta-llama/Llama-3.1-8B-Instruct"):
+                client.post("/v1/completions", json={
+                    "model": model, "prompt": "Say hello", "max_tokens": 64})
+
+
+def _empty_panels(prometheus: str) -> list[str]:
+    """The dashboard panels none of whose queries returns a series now."""
+    empty = []
+    for panel, expressions in dashboards.panels().items():
+        found = 0
+        for expression in expressions:
+            url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
+            with urllib.request.urlopen(url, timeout=5) as response:
+                found += len(json.loads(response.read())["data"]["result"])
+        if not found:
+            empty.append(panel)
+    return empty
+
+
 def _firing(prometheus: str) -> set[str]:
     """The names of the alerts firing now in the Prometheus at ``prometheus``."""
     with urllib.request.urlopen(f"{prometheus}/api/v1/alerts", timeout=5) as response:
@@ -192,6 +208,18 @@ def test_lig_up_observe_fires_an_alert_when_the_pods_metrics_stop(tmp_path: Path
 
         wait_until(lambda: scraped() == set(info.metrics), within=30,
                    what="Prometheus scraping every service and pod of the stack")
+        # Under load, every panel of every dashboard shows data (a rate needs two scrapes).
+        stop = threading.Event()
+        clients = [threading.Thread(target=_load, args=(stack.gateway, stop)) for _ in range(4)]
+        for client in clients:
+            client.start()
+        try:
+            wait_until(lambda: not _empty_panels(info.prometheus), within=60,
+                       what="every dashboard panel with data")
+        finally:
+            stop.set()
+            for client in clients:
+                client.join(60)
         assert _firing(info.prometheus) == set()
         sim = next(pid for pid in stack.child_pids()
                    if b"\0sim\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
