@@ -130,7 +130,6 @@ class ProfilePolicy:
             for index, pod in enumerate(pods))
         return Decision(pick=pick, candidates=tuple(kept), steps=tuple(trace), scores=scored)
 
-
     def margin(self, pods: Sequence[PodView]) -> float:
         """How far below the best total a pod still counts as tied: the tie margin, plus the
         stale margin per second of the candidates' mean snapshot age and the peers' lag.
@@ -138,7 +137,7 @@ class ProfilePolicy:
         Why it grows with age: scores computed from a snapshot of age ``a`` can be off by what
         arrived and ended in ``a``; pods apart by less are equal as far as the picker knows, and
         a greedy choice between them herds every decision of the window (and every replica's)
-        onto the same pod (docs/scheduling.md, "Near-ties")."""
+        onto the same pod (docs/scheduling.md, "Near-ties, stale state and replicas")."""
         margin = self._tie_margin
         if self._stale_margin:
             age = sum([pod.age for pod in pods]) / len(pods) + pods[0].peer_lag
