@@ -157,9 +157,10 @@ class UnreportedLoad:
 
 
 RECENT_TAU = 0.05
-"""Seconds in which a routed prompt's weight in :class:`RecentWork` falls to 1/e. A pod of the
-default simulator profile prefills 1,000 tokens in about 25 ms; ``bench``: 0.05 s did best of
-0.025, 0.05 and 0.1 on chat at 180 and 270 req/s."""
+"""Seconds in which a routed prompt's weight in :class:`RecentWork` falls to 1/e: about two
+prefills of a typical prompt (a pod of the default simulator profile prefills 1,000 tokens in
+about 25 ms), so a prompt counts while it may still be ahead of a new request. Chosen by that
+reasoning, not tuned: other values are untried (issue 24)."""
 
 
 class RecentWork:
