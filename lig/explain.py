@@ -2,15 +2,16 @@
 
 Pods file: a JSON list of objects with ``name`` (required), ``address``, ``waiting``, ``running``,
 ``kv_cache_usage`` (0..1), ``running_adapters``, ``waiting_adapters``, ``max_lora`` and
-``in_flight``, ``unreported_tokens``. The pods are loaded into a picker's ``PodTable`` as
-snapshots (with ``in_flight`` requests started on each), so the policy sees the views the picker
-would build from them: a pod without ``max_lora`` (vLLM reports none before its first step) gets
-the largest any pod reports. Request file: an object with ``model``, optional ``target_model``
-(defaults to ``model``) and ``criticality`` (Critical | Standard | Sheddable, default Standard);
-for prompt-aware policies also ``prompt_tokens``, ``max_tokens``, ``prefix_blocks`` (how many
-blocks of the prompt were hashed) and ``prefix_hits`` (pod name -> leading blocks the prefix
-index believes it holds). Scorer pipelines (``prefix-aware``) also show every candidate's
-weighted total and each scorer's score.
+``in_flight``, ``unreported_tokens``, ``recent_tokens``, ``age`` and ``peer_lag`` (the load
+estimate's and the near-tie margin's inputs, ``scheduling.types.PodView``). The pods are loaded into
+a picker's ``PodTable`` as snapshots (with ``in_flight`` requests started on each), so the policy
+sees the views the picker would build from them: a pod without ``max_lora`` (vLLM reports none
+before its first step) gets the largest any pod reports. Request file: an object with ``model``,
+optional ``target_model`` (defaults to ``model``) and ``criticality`` (Critical | Standard |
+Sheddable, default Standard); for prompt-aware policies also ``prompt_tokens``, ``max_tokens``,
+``prefix_blocks`` (how many blocks of the prompt were hashed) and ``prefix_hits`` (pod name ->
+leading blocks the prefix index believes it holds). Scorer pipelines (``prefix-aware``) also show
+every candidate's weighted total and each scorer's score.
 
 ``--recording FILE --request-id ID`` explains a recorded decision instead: the pods, request,
 policy and random draw come from the flight record (``lig record``; docs/recording.md), and the
@@ -56,6 +57,9 @@ class PodEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_lora: NonNegativeInt | None = None
     in_flight: NonNegativeInt = 0
     unreported_tokens: NonNegativeInt = 0
+    recent_tokens: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    age: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    peer_lag: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class RequestFile(RequestEntry, frozen=True, forbid_unknown_fields=True):
@@ -180,7 +184,9 @@ def _read_pods(path: Path) -> list[PodView]:
 def picker_views(entries: list[PodEntry]) -> list[PodView]:
     """The views a picker's ``PodTable`` builds from these pods as fresh snapshots, each with
     ``in_flight`` requests started; in file order, addresses as given."""
-    table = PodTable(math.inf, clock=lambda: 0.0, load_estimate=False, gray=GrayPods(0, 0))
+    # Snapshots scraped "now" (wall clock 0 = scrape time 0): every view is of age 0.
+    table = PodTable(math.inf, clock=lambda: 0.0, load_estimate=False, gray=GrayPods(0, 0),
+                     wall_clock=lambda: 0)
     table.set_endpoints(_endpoint(entry) for entry in entries)
     for entry in entries:
         table.apply(PodMetrics(
@@ -192,8 +198,10 @@ def picker_views(entries: list[PodEntry]) -> list[PodView]:
         for _ in range(entry.in_flight):
             table.started(entry.name)
     by_name = {entry.name: entry for entry in entries}
-    return [msgspec.structs.replace(view, address=by_name[view.name].address,
-                                    unreported_tokens=by_name[view.name].unreported_tokens)
+    return [msgspec.structs.replace(view, address=(entry := by_name[view.name]).address,
+                                    unreported_tokens=entry.unreported_tokens,
+                                    recent_tokens=entry.recent_tokens, age=entry.age,
+                                    peer_lag=entry.peer_lag)
             for view in table.fresh_views()]
 
 

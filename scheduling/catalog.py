@@ -19,6 +19,7 @@ from scheduling.plugins import (
     kv_cache_load,
     least_kv_cache,
     least_queue,
+    least_work,
     lora_affinity,
     lora_fit,
     low_lora_cost,
@@ -55,6 +56,7 @@ _MODULES = (
     lora_fit,
     random_picker,
     round_robin_picker,
+    least_work,
 )
 
 PLUGIN_TYPES: dict[str, PluginRecord] = {module.PLUGIN.name: module.PLUGIN for module in _MODULES}

@@ -44,19 +44,30 @@ class ScorerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ProfileParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A profile as data; the defaults are the ``prefix-aware`` policy."""
+    """A profile as data; the defaults are the ``prefix-aware`` policy.
+
+    Pods whose weighted total is within ``tie_margin + stale_margin * age`` (at most
+    ``max_margin``) of the best are near-ties, all handed to the picker: ``age`` is the
+    candidates' mean snapshot age plus the peers' lag (seconds), so the less the scores can be
+    trusted, the more pods count as equal. The bound keeps a pod whose metrics stopped (up to
+    ``--stale-after`` old, 3 s by default) from making every pod a near-tie of every other.
+    """
 
     filters: tuple[FilterSpec, ...] = (
         FilterSpec("sheddable_gate", {"queue_threshold": 5, "kv_cache_threshold": 0.8}),
     )
     scorers: tuple[ScorerSpec, ...] = (
         ScorerSpec("prefix_affinity", 2.0, {"load_margin": 8}),
-        ScorerSpec("token_load", 1.0, {"token_scale": 4096}),
-        ScorerSpec("queue_load", 1.0),
+        ScorerSpec("token_load", 1.0, {"token_scale": 4096, "recent": True}),
+        ScorerSpec("queue_load", 1.0, {"stale_span": 100.0, "max_span": 25.0}),
         ScorerSpec("kv_cache_load", 1.0),
         ScorerSpec("lora_fit", 3.25),
     )
-    picker: str = "random"
+    picker: str = "least_work"
+    picker_params: dict[str, Any] = {}
+    tie_margin: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1
+    stale_margin: Annotated[float, msgspec.Meta(ge=0.0)] = 2.0
+    max_margin: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
 
 
 PREFIX_AWARE = ProfileParams()
@@ -68,7 +79,8 @@ class ProfilePolicy:
 
     def __init__(self, name: str, filters: Sequence[tuple[str, Filter]],
                  scorers: Sequence[tuple[str, float, Scorer]], picker: Picker,
-                 picker_name: str) -> None:
+                 picker_name: str, tie_margin: float = 0.0, stale_margin: float = 0.0,
+                 max_margin: float = 0.0) -> None:
         self.name = name
         self._filters = tuple(filters)
         self._scorers = tuple(scorers)
@@ -76,6 +88,9 @@ class ProfilePolicy:
         self._weights = tuple(weight for _, weight, _ in scorers)
         self._pick = picker.pick
         self._picker_name = picker_name
+        self._tie_margin = tie_margin
+        self._stale_margin = stale_margin
+        self._max_margin = max(max_margin, tie_margin)
 
     def schedule(self, request: SchedulingRequest, pods: Sequence[PodView], *,
                  explain: bool = False) -> Decision:
@@ -101,8 +116,8 @@ class ProfilePolicy:
         weights = self._weights
         # One pass per pod over the transposed columns: cheaper than one pass per scorer.
         totals = [sum(map(mul, weights, row)) for row in zip(*columns, strict=True)]
-        best = max(totals)
-        kept = [pod for pod, total in zip(pods, totals, strict=True) if total >= best - _TIE]
+        best = max(totals) - self.margin(pods)
+        kept = [pod for pod, total in zip(pods, totals, strict=True) if total >= best]
         pick = self._pick(request, kept)
         if trace is None:
             return Decision(pick=pick, candidates=tuple(kept))
@@ -114,6 +129,20 @@ class ProfilePolicy:
                          self._scorers, columns, strict=True)})
             for index, pod in enumerate(pods))
         return Decision(pick=pick, candidates=tuple(kept), steps=tuple(trace), scores=scored)
+
+    def margin(self, pods: Sequence[PodView]) -> float:
+        """How far below the best total a pod still counts as tied: the tie margin, plus the
+        stale margin per second of the candidates' mean snapshot age and the peers' lag.
+
+        Why it grows with age: scores computed from a snapshot of age ``a`` can be off by what
+        arrived and ended in ``a``; pods apart by less are equal as far as the picker knows, and
+        a greedy choice between them herds every decision of the window (and every replica's)
+        onto the same pod (docs/scheduling.md, "Near-ties, stale state and replicas")."""
+        margin = self._tie_margin
+        if self._stale_margin:
+            age = sum([pod.age for pod in pods]) / len(pods) + pods[0].peer_lag
+            margin = min(margin + self._stale_margin * age, self._max_margin)
+        return max(margin, _TIE)
 
 
 def build_profile(name: str, params: Mapping[str, Any], rng: random.Random) -> ProfilePolicy:
@@ -136,10 +165,11 @@ def build_profile(name: str, params: Mapping[str, Any], rng: random.Random) -> P
         scorers.append((scorer_spec.plugin, scorer_spec.weight, plugin))
     if not scorers:
         raise PolicyConfigError(f"{owner}: scorers: at least one scorer is needed")
-    entry, picker = create_plugin(p.picker, {}, rng)
+    entry, picker = create_plugin(p.picker, p.picker_params, rng)
     if entry.kind != "picker" or not isinstance(picker, Picker):
         raise PolicyConfigError(f"{owner}: picker: {p.picker!r} is a {entry.kind}")
-    return ProfilePolicy(name, filters, scorers, picker, f"{p.picker} pick")
+    return ProfilePolicy(name, filters, scorers, picker, f"{p.picker} pick", p.tie_margin,
+                         p.stale_margin, p.max_margin)
 
 
 def _names(pods: Sequence[PodView]) -> tuple[str, ...]:

@@ -32,6 +32,23 @@ class PodView(msgspec.Struct, frozen=True, array_like=True):
     # does not show yet, counting only those it must prefill, not the prefix it caches (see
     # services/picker/load_estimate.py).
     unreported_tokens: int = 0
+    # Seconds since the pod's newest snapshot was scraped, at decision time (the picker's
+    # estimate; 0: exact state): how stale waiting, running and KV usage are.
+    age: float = 0.0
+    # Seconds by which peer pickers' decisions reach this picker (0: no peer heard from):
+    # decisions taken within it are in no count yet. The same for every pod of a decision.
+    peer_lag: float = 0.0
+    # Prompt tokens routed to the pod (by this picker and its peers) that it must prefill,
+    # each fading out exponentially with its time since routing (services/picker/
+    # load_estimate.py, RecentWork): the prefill likely still ahead of a new request, the same
+    # measure for every pod whatever its snapshot's age.
+    recent_tokens: float = 0.0
+    # Decisions peer pickers probably took in the last ``peer_lag`` that no count here holds
+    # yet (their routing rate times their lag; 0: no peers). The same for every pod.
+    peer_unseen: float = 0.0
+    # The part of ``waiting`` that is the load estimate's (unreported requests beyond the
+    # fewest any pod has), not the pod's report.
+    waiting_estimated: int = 0
 
 
 _NO_HITS: Mapping[str, int] = MappingProxyType({})

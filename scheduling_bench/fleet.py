@@ -258,7 +258,7 @@ class _Simulation:
                 on_decision = self._sharer(replica)
             gateway = build_gateway(settings, rng=random.Random(f"policy/{seed}/{replica}"),
                                     clock=self.clock.now, on_decision=on_decision,
-                                    picker_id=_picker_id(replica))
+                                    picker_id=_picker_id(replica), wall_clock=self._wall_ns)
             gateway.update(view)
             if config.prefix == "precise":
                 _router(gateway).tokenizer = TokenIdPrompts()
@@ -278,6 +278,10 @@ class _Simulation:
         self.end_time = 0.0  # when the last request ended
 
     # --- snapshots ---------------------------------------------------------------------------
+
+    def _wall_ns(self) -> int:
+        """The replicas' wall clock: the virtual time, as the scrape and send times are."""
+        return round(self.clock.now() * 1e9)
 
     def _metrics(self, pod: int, now: float) -> bytes:
         """A scrape of ``pod`` now, encoded as the collector publishes it."""

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from lig.cli import main
 
-PODS = [{"name": "hot", "address": "10.0.0.1:8000", "unreported_tokens": 24_000},
+# The default token_load rates the recent tokens (the unreported ones only with recent: false).
+PODS = [{"name": "hot", "address": "10.0.0.1:8000", "unreported_tokens": 24_000,
+         "recent_tokens": 24_000},
         {"name": "cold", "address": "10.0.0.2:8000", "waiting": 2},
         {"name": "warm", "address": "10.0.0.3:8000", "kv_cache_usage": 0.5}]
 REQUEST = {"model": "llama", "prompt_tokens": 4000, "prefix_blocks": 31,
@@ -33,7 +35,7 @@ def test_json_lists_every_pods_total_and_scorer_scores(tmp_path, capsys) -> None
     assert abs(scores["hot"]["total"] - weighted) < 1e-9
     assert result["pick"] == "hot"
     assert [step["step"] for step in result["steps"]] == [
-        "sheddable_gate", "weighted scores", "random pick"]
+        "sheddable_gate", "weighted scores", "least_work pick"]
 
 
 def test_text_shows_a_score_table_best_first(tmp_path, capsys) -> None:

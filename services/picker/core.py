@@ -54,13 +54,16 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic, hooks: CoreHooks | None = None,
                   on_decision: DecisionCallback | None = None,
                   picker_id: str = "", on_record: RecordCallback | None = None,
-                  tokenizers: Mapping[str, PromptTokenizer] | None = None) -> Gateway:
+                  tokenizers: Mapping[str, PromptTokenizer] | None = None,
+                  wall_clock: Callable[[], int] = time.time_ns) -> Gateway:
     """The decision core over ``settings.pools`` (empty: every pool of the registry), with the
     settings' staleness, load estimate, gray-pod, fallback and unknown-model behaviour.
 
     ``rng`` defaults to one seeded with ``settings.seed``; ``tokenizers`` (pool -> tokenizer,
     for precise prefix routing) to those of ``settings.tokenizers``.
-    ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench).
+    ``clock`` is the time freshness and gray pods are judged on (virtual time in the bench);
+    ``wall_clock`` (unix ns, virtual in the bench) is compared with snapshots' scrape times and
+    peers' send times, for the age of what the core knows.
     ``on_decision(pool, event)`` receives the core's own routed/finished/shed events for the
     decision stream, ``picker_id`` naming this picker in it (its own batches are not applied
     twice); peers' events are applied with ``Gateway.apply_peer`` and expire on ``clock``
@@ -74,7 +77,8 @@ def build_gateway(settings: PickerSettings, *, rng: random.Random | None = None,
     def make_router(pool: str) -> Router:
         pods = PodTable(settings.stale_after, clock=clock, load_estimate=settings.load_estimate,
                         gray=GrayPods(settings.gray_after, settings.outcome_sample,
-                                      on_exclude=hooks.on_gray_exclusion))
+                                      on_exclude=hooks.on_gray_exclusion),
+                        wall_clock=wall_clock)
         router = Router(pool, pods, rng, on_all_stale=hooks.on_all_stale,
                         fallbacks=settings.fallbacks,
                         prefix_entries=settings.prefix_index_entries,

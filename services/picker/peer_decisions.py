@@ -17,11 +17,19 @@ Nothing here is persisted, and nothing a peer said outlives a bounded time:
 - a single request counted in flight for longer than ``request_ttl`` is finished, so that a lost
   finished event (a batch dropped while NATS was away) leaves no phantom load forever.
 
-Unreported counts need no expiry of their own: the pod's next snapshot clears them.
+Unreported counts need no expiry of their own: the pod's next snapshot clears them (those
+routed before its scrape began; a peer's request counts as routed when its batch was sent).
+
+Each batch also tells how late peers' decisions arrive (its send time against this picker's
+wall clock): the table's ``peer_lag`` is the largest of its live peers' recent lags (a moving
+average), and its ``peer_unseen`` the sum over live peers of their routing rate (a moving
+average over about a second) times their lag: how many decisions of others are probably in no
+count yet, which the default policy reads (``scheduling/plugins/least_work.py``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -32,12 +40,14 @@ from shared.schemas import DecisionBatch, FinishedEvent, RoutedEvent
 SILENCE_HEARTBEATS = 4  # heartbeats a peer may miss before its contributions are dropped
 MIN_SILENCE = 0.5  # seconds: the shortest silence that drops a peer, whatever it announces
 DEFAULT_REQUEST_TTL = 600.0  # seconds a peer's request may stay in flight without finishing
+LAG_WEIGHT = 0.1  # weight of a batch's lag in a peer's moving average (about 10 batches)
+RATE_TAU = 1.0  # seconds over which a peer's routing rate is averaged
 
 
 class _Peer:
     """What one peer picker contributed to one pool's table: its requests still in flight."""
 
-    __slots__ = ("deadline", "requests", "silence", "table")
+    __slots__ = ("deadline", "heard", "lag", "rate", "requests", "silence", "table")
 
     def __init__(self, table: PodTable) -> None:
         self.table = table
@@ -45,6 +55,9 @@ class _Peer:
         self.requests: dict[int, tuple[str, float]] = {}
         self.silence = MIN_SILENCE
         self.deadline = 0.0
+        self.lag = 0.0  # seconds from its batches' send to their apply here (moving average)
+        self.rate = 0.0  # routed events per second (moving average over RATE_TAU)
+        self.heard = 0.0  # when the rate was last updated
 
     def finish_all(self) -> int:
         """Finish every request still counted; how many there were."""
@@ -97,13 +110,21 @@ class PeerDecisions:
         peer.silence = max(MIN_SILENCE, SILENCE_HEARTBEATS * batch.heartbeat_s)
         peer.deadline = now + peer.silence
         requests = peer.requests
+        lag = table.age_of(batch.sent_at_ns)
+        if batch.events:  # a heartbeat may be sent late by an idle event loop: not a decision
+            peer.lag += LAG_WEIGHT * (lag - peer.lag) if peer.lag else lag
+        routed = sum(1 for event in batch.events if isinstance(event, RoutedEvent))
+        peer.rate = (peer.rate * math.exp((peer.heard - now) / RATE_TAU) if peer.heard else 0.0
+                     ) + routed / RATE_TAU
+        peer.heard = now
+        self._update_lag(table)
         for event in batch.events:
             if isinstance(event, RoutedEvent):
                 if event.request_id in requests:  # a repeat (moved to a fallback pod)
                     table.peer_finished(requests.pop(event.request_id)[0])
                 prefill = event.prefill_tokens
                 if table.peer_started(event.pod, event.prompt_tokens if prefill is None
-                                      else prefill):
+                                      else prefill, lag):
                     requests[event.request_id] = (event.pod, now)
                     if event.prefix_hashes:
                         prefixes.record(event.pod, event.prefix_hashes)
@@ -125,6 +146,7 @@ class PeerDecisions:
             if now > peer.deadline:
                 expired += peer.finish_all()
                 del self._peers[key]
+                self._update_lag(peer.table)
                 continue
             requests = peer.requests
             while requests:
@@ -136,6 +158,13 @@ class PeerDecisions:
                 expired += 1
         self.expired += expired
         return expired
+
+    def _update_lag(self, table: PodTable) -> None:
+        """``table.peer_lag``: the largest lag of the live peers that count in ``table``;
+        ``table.peer_unseen``: their decisions within their lags, by their rates."""
+        peers = [peer for peer in self._peers.values() if peer.table is table]
+        table.peer_lag = max((peer.lag for peer in peers), default=0.0)
+        table.peer_unseen = sum(peer.rate * peer.lag for peer in peers)
 
     def peers(self) -> int:
         """Peer pickers heard from recently (over every pool)."""

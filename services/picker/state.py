@@ -24,18 +24,21 @@ import msgspec
 
 from scheduling.types import PodView
 from services.picker.gray_pods import GrayPods
-from services.picker.load_estimate import UnreportedLoad, picker_views
+from services.picker.load_estimate import RecentWork, UnreportedLoad, picker_views
 from shared.schemas import Endpoint, PodMetrics
 
 
 class _PodEntry:
-    """The newest snapshot of one pod, its arrival time and the PodView built from it."""
+    """The newest snapshot of one pod, its arrival time, when its scrape began (both on this
+    process's clock) and the PodView built from it."""
 
-    __slots__ = ("received_at", "snapshot", "view")
+    __slots__ = ("received_at", "scraped_at", "snapshot", "view")
 
-    def __init__(self, snapshot: PodMetrics, received_at: float, view: PodView | None) -> None:
+    def __init__(self, snapshot: PodMetrics, received_at: float, scraped_at: float,
+                 view: PodView | None) -> None:
         self.snapshot = snapshot
         self.received_at = received_at
+        self.scraped_at = scraped_at
         self.view = view  # None when the scrape failed: such a pod is never fresh
 
 
@@ -51,13 +54,22 @@ class PodTable:
     """Member endpoints of one pool with their newest metric snapshots and in-flight counts.
 
     ``load_estimate=False`` leaves the scraped ``waiting`` uncorrected (upstream's behaviour);
-    ``gray`` is the gray-pod guard (its defaults when None).
+    ``gray`` is the gray-pod guard (its defaults when None). ``wall_clock`` (unix ns; virtual
+    in the benchmark) is compared with the snapshots' scrape times to tell how old each one is.
     """
 
     def __init__(self, stale_after: float, clock: Callable[[], float] = time.monotonic,
-                 load_estimate: bool = True, gray: GrayPods | None = None) -> None:
+                 load_estimate: bool = True, gray: GrayPods | None = None,
+                 wall_clock: Callable[[], int] = time.time_ns) -> None:
         self.stale_after = stale_after
         self._clock = clock
+        self._wall_clock = wall_clock
+        self.peer_lag = 0.0
+        """Seconds by which peers' decisions reach this table (0: no live peer); kept by
+        :class:`~services.picker.peer_decisions.PeerDecisions`."""
+        self.peer_unseen = 0.0
+        """Peers' decisions probably taken within their lag and not applied yet (their
+        routing rates times their lags); kept by the same."""
         self._entries: dict[str, _PodEntry] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_list: tuple[Endpoint, ...] = ()
@@ -65,6 +77,7 @@ class PodTable:
         self._in_flight: dict[str, int] = {}  # this picker's and its peers' requests
         self._peer_in_flight: dict[str, int] = {}  # the peers' part of it
         self._unreported = UnreportedLoad(load_estimate)
+        self._recent = RecentWork(load_estimate)
         self._max_lora_seen = 0
         self.gray = gray if gray is not None else GrayPods()
 
@@ -129,9 +142,21 @@ class PodTable:
         view = _view(snapshot, endpoint) if endpoint is not None else None
         if snapshot.max_lora is not None and snapshot.max_lora > self._max_lora_seen:
             self._max_lora_seen = snapshot.max_lora
-        self._entries[snapshot.pod] = _PodEntry(snapshot, self._clock(), view)
-        self._unreported.reported(snapshot.pod)
+        now = self._clock()
+        scraped_at = now - self.age_of(snapshot.scrape_time_ns)
+        self._entries[snapshot.pod] = _PodEntry(snapshot, now, scraped_at, view)
+        # Only what was routed before the scrape began can show in it (load_estimate.py).
+        self._unreported.reported(snapshot.pod, scraped_at)
         return True
+
+    def age_of(self, wall_ns: int) -> float:
+        """Seconds since the wall-clock time ``wall_ns`` (a scrape's start, a peer's batch).
+
+        0 when the clocks disagree: a time ahead of ours, or older than ``stale_after`` (for
+        something that has just arrived, a skewed clock rather than a real age), so that a
+        skewed clock degrades to judging by arrival, as before ages were read."""
+        age = (self._wall_clock() - wall_ns) / 1e9
+        return age if 0.0 < age <= self.stale_after else 0.0
 
     def has_member_snapshot(self) -> bool:
         """True once any current member pod has a snapshot (part of readiness)."""
@@ -145,6 +170,7 @@ class PodTable:
         max_lora_seen = self._max_lora_seen
         views = []
         arrivals = []
+        ages = []
         for name in self._endpoints:
             entry = self._entries.get(name)
             if entry is None or entry.view is None or entry.received_at < oldest:
@@ -154,11 +180,14 @@ class PodTable:
                 view = msgspec.structs.replace(view, max_lora=max_lora_seen)
             views.append(view)
             arrivals.append(entry.received_at)
+            ages.append(now - entry.scraped_at)
         gray = self.gray.excluded(views, now, arrivals)
         if gray and len(gray) < len(views):
+            ages = [age for view, age in zip(views, ages, strict=True) if view.name not in gray]
             views = [view for view in views if view.name not in gray]
         return picker_views(views, self._in_flight, self._unreported.counts,
-                            self._unreported.tokens)
+                            self._unreported.tokens, ages, self.peer_lag,
+                            self._recent.at(now), self.peer_unseen)
 
     def freshness(self, wall_clock_ns: int | None = None) -> Freshness:
         """Fresh/stale counts over members and each member's snapshot age (inf when none)."""
@@ -182,26 +211,31 @@ class PodTable:
         """Count a request sent to ``pod`` until :meth:`finished`, and it and its
         ``prompt_tokens`` (those the pod must prefill) until the pod's next snapshot."""
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
-        self._unreported.routed(pod, prompt_tokens)
-        self.gray.started(pod, self._clock())
+        now = self._clock()
+        self._unreported.routed(pod, prompt_tokens, now)
+        self._recent.routed(pod, prompt_tokens, now)
+        self.gray.started(pod, now)
 
     def finished(self, pod: str) -> None:
         """The request to ``pod`` has ended (response done or stream closed)."""
         _decrement(self._in_flight, pod)
         self.gray.finished(pod)
 
-    def peer_started(self, pod: str, prompt_tokens: int = 0) -> bool:
-        """A peer picker sent a request to ``pod`` (with ``prompt_tokens``): it counts as this
-        picker's own would (in flight until :meth:`peer_finished`, unreported with its tokens
-        until the pod's next snapshot), except for the gray-pod guard, which judges only
-        requests whose outcome this picker sees.
+    def peer_started(self, pod: str, prompt_tokens: int = 0, lag: float = 0.0) -> bool:
+        """A peer picker sent a request to ``pod`` (with ``prompt_tokens``) ``lag`` seconds
+        ago: it counts as this picker's own would (in flight until :meth:`peer_finished`,
+        unreported with its tokens until a snapshot of the pod scraped after it was routed),
+        except for the gray-pod guard, which judges only requests whose outcome this picker
+        sees.
         False (nothing counted) when ``pod`` is no member here: a count no snapshot of a
         member would ever clear."""
         if pod not in self._endpoints:
             return False
         self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
         self._peer_in_flight[pod] = self._peer_in_flight.get(pod, 0) + 1
-        self._unreported.routed(pod, prompt_tokens)
+        routed_at = self._clock() - lag
+        self._unreported.routed(pod, prompt_tokens, routed_at)
+        self._recent.routed(pod, prompt_tokens, routed_at)
         return True
 
     def peer_finished(self, pod: str) -> None:
