@@ -378,9 +378,12 @@ class Exchange:
         if isinstance(result, Rejected):
             return self._refuse(result)
         self._take(result)
+        return self._headers_answer(result)
+
+    def _headers_answer(self, routed: Routed) -> pb.ProcessingResponse:
         reply = pb.ProcessingResponse()
         common = reply.request_headers.response
-        self._p.set_destination(reply, common, result)
+        self._p.set_destination(reply, common, routed)
         return reply
 
     def _take(self, routed: Routed) -> None:
@@ -510,8 +513,8 @@ class Exchange:
             return (self._refuse(result),)
         self._take(result)
         replies: list[pb.ProcessingResponse] = []
-        if self._hold_headers:
-            replies.append(self._answer_headers_with(result))
+        if self._hold_headers:  # taken above: taking it again would finish it at once
+            replies.append(self._headers_answer(result))
         # One answer per chunk, in order. The destination rides on the first answer Envoy
         # reads before it forwards the headers; a rewritten body replaces the last chunk and
         # the earlier ones are cleared.
