@@ -268,6 +268,17 @@ def test_streamed_body_without_waiting_holds_every_answer_until_the_end() -> Non
     assert all(a.request_body.response.body_mutation.clear_body for a in answers[1:3])
 
 
+def test_a_streamed_body_without_waiting_stays_in_flight_until_the_stream_ends() -> None:
+    """Its held headers answer carries the destination; the request was counted finished as
+    soon as it was routed before (taken twice)."""
+    exchange = Exchange(make_processor())
+    exchange.handle(request_headers(mode=STREAMED, nowait=True))
+    exchange.handle(request_body(b'{"model": "plain"}', end_of_stream=True))
+    assert exchange._p.gateway.in_flight() == {"pod-a": 1}
+    exchange.close()
+    assert exchange._p.gateway.in_flight() == {}
+
+
 def test_streamed_body_with_waiting_is_switched_to_buffered() -> None:
     exchange = Exchange(make_processor())
     (answer,) = exchange.handle(request_headers(mode=STREAMED, response_mode=STREAMED))

@@ -37,13 +37,29 @@ streamed chunks (then the trailers), and every response chunk comes back the sam
 ``--conformance-test-headers`` it also honours the conformance suite's test headers
 (:mod:`services.picker.conformance`).
 
-:class:`Exchange` is the pure per-stream logic, testable with protobuf objects and no network;
-:class:`ProcessStream` runs it on the built-in HTTP/2 server (:mod:`protocols.http2`), and
-:class:`ExternalProcessor` is the grpc.aio servicer around it.
+The pure per-stream logic, testable with protobuf objects and no network:
+
+- :class:`Exchange` picks the stream's role at its first message and hands it every message:
+  :class:`ResponseExchange` for the rewrite stream of a bootstrap before issue 26 (it routes
+  nothing), :class:`RoutingExchange` for any other stream.
+- :class:`RoutingExchange` routes the request and follows its response (outcome, served
+  endpoint, usage). How the request body arrives is a :class:`BodyMode`, one small stateless
+  strategy per mode Envoy tells (:class:`BufferedBody`, :class:`NoBody`, :class:`StreamedBody`,
+  :class:`FullDuplexBody`) and :class:`UntoldBody` when it tells none; each answers a body
+  message and the trailers by calling back the exchange (hold a chunk, route the held body).
+- :class:`ResponsePass` is the response as it passes either role: its headers' answer, the
+  rewriter putting the requested name back and reading usage, the chunks' answers.
+- Both roles talk to one object, the :class:`Processor`: what every stream shares (the gateway,
+  metrics, prebuilt answers), behind narrow methods (route, destination, served endpoint,
+  outcome sampling, finished).
+
+:class:`ProcessStream` runs an :class:`Exchange` on the built-in HTTP/2 server
+(:mod:`protocols.http2`), and :class:`ExternalProcessor` is the grpc.aio servicer around it.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 import traceback
@@ -62,7 +78,7 @@ from envoy.type.v3 import http_status_pb2
 from services.picker import conformance, epp
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway, ResponseSeen
-from services.picker.responses import ResponseRewriter
+from services.picker.responses import ResponseRewriter, Usage
 from services.picker.routing import Rejected, Routed, reject
 from shared.logs import RateLimitedLog
 
@@ -85,6 +101,8 @@ REWRITE_HEADER = "x-gateway-model-rewrite"
 # the response headers).
 METADATA_NAMESPACE = "lig"
 REQUESTED_MODEL_KEY = "requested_model"
+# The answers to one message, in order.
+Replies = tuple[pb.ProcessingResponse, ...]
 
 
 def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
@@ -97,7 +115,7 @@ def _set_header(mutation: pb.HeaderMutation, key: str, value: bytes) -> None:
 
 class Processor:
     """What every stream shares: the gateway (pools, routers, pod tables), metrics and prebuilt
-    answers.
+    answers. The exchanges talk to it alone, through its methods, never to the gateway.
 
     ``record_responses``: ask Envoy for every routed request's response headers and body, so
     that the outcome records carry status, time to first byte and usage
@@ -210,6 +228,32 @@ class Processor:
         self.metrics.count_served_elsewhere()
         return msgspec.structs.replace(routed, pod=member.name, endpoint=served)
 
+    def wants_outcome(self) -> bool:
+        """Whether the request about to be routed should send its response headers to its
+        stream: the gray-pod guard's outcome sample (asked of every pool, so that each one's
+        sampling sees every request), or ``--record-responses``."""
+        return self.gateway.wants_outcome() or self.record_responses
+
+    def responded(self, routed: Routed, status: int) -> None:
+        """The response to the request routed as ``routed`` started with ``status``."""
+        self.gateway.responded(routed, status)
+
+    def finished(self, routed: Routed, usage: Usage | None = None,
+                 seen: ResponseSeen | None = None) -> None:
+        """The request routed as ``routed`` is no longer in flight (its stream ended, or a
+        newer request replaced it on the stream), with the token ``usage`` its response
+        reported and what passed of the response (``seen``), when known; the tokens are
+        counted."""
+        if usage is None:
+            self.gateway.finished(routed, response=seen)
+            return
+        self.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens, seen,
+                              usage.cached_tokens)
+        if usage.cached_tokens is not None:
+            self.metrics.count_reuse(routed.pool, routed.cached_on(routed.pod),
+                                     usage.cached_tokens)
+        self.metrics.count_tokens(routed.model, routed.registered, usage)
+
     def immediate(self, rejected: Rejected) -> pb.ProcessingResponse:
         """The ImmediateResponse answering the client with ``rejected``'s status and body."""
         reply = pb.ProcessingResponse()
@@ -245,29 +289,127 @@ class Processor:
 
 
 class Exchange:
-    """One HTTP request's ext_proc conversation: what came in, and the answers to send."""
+    """One HTTP request's ext_proc conversation: what came in, and the answers to send.
 
-    __slots__ = ("_body_ended", "_chunks", "_held_bytes", "_held_chunks", "_hold_headers",
-                 "_mode_told", "_objective", "_p", "_refused", "_reports_status", "_request_id",
-                 "_request_mode", "_response_buffered", "_response_mode", "_rewrite_to",
-                 "_rewriter", "_seen", "_selection", "_served_seen", "_subset", "routed")
+    It picks the stream's role at the first message and hands every message to it: a
+    :class:`ResponseExchange` for the response-rewrite stream of a bootstrap before issue 26
+    (its first message is the response headers, or request headers naming the model to put
+    back), a :class:`RoutingExchange` for any other stream."""
+
+    __slots__ = ("_p", "_role")
+
+    def __init__(self, processor: Processor) -> None:
+        self._p = processor
+        self._role: RoutingExchange | ResponseExchange | None = None
+
+    @property
+    def routed(self) -> Routed | None:
+        """The request's current decision (None until routed; always on a rewrite stream)."""
+        return self._role.routed if self._role is not None else None
+
+    def handle(self, message: pb.ProcessingRequest) -> Replies:
+        """The answers to ``message`` (none while its answer must wait for more body)."""
+        role = self._role
+        if role is None:
+            role = self._role = _role_for(self._p, message)
+        return role.handle(message)
+
+    def close(self) -> None:
+        """The stream ended (see :meth:`RoutingExchange.close`)."""
+        if self._role is not None:
+            self._role.close()
+
+
+def _role_for(processor: Processor, first: pb.ProcessingRequest
+              ) -> RoutingExchange | ResponseExchange:
+    """The role of the stream whose first message is ``first``."""
+    if first.HasField("request_headers"):
+        # A stream told that no request body comes, for a request naming the model to put
+        # back: an earlier bootstrap's rewrite filter, for a request the picker rewrote.
+        # (The mode first: NONE is also what a message without protocol_config reads.)
+        if first.protocol_config.request_body_mode == NONE and first.HasField("protocol_config"):
+            requested = _header(first.request_headers, REWRITE_HEADER)
+            if requested is not None:
+                return ResponseExchange(processor, first.protocol_config,
+                                        urllib.parse.unquote(requested.decode(errors="replace")))
+    elif first.HasField("response_headers") and first.HasField("protocol_config"):
+        # The rewrite filter of an earlier bootstrap placed after the router: its stream
+        # starts at the response, the name to put back in the routing answer's metadata.
+        fields = first.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+        name = fields.fields.get(REQUESTED_MODEL_KEY) if fields is not None else None
+        requested = name.string_value if name is not None and name.string_value else None
+        return ResponseExchange(processor, first.protocol_config, requested)
+    return RoutingExchange(processor)
+
+
+class ResponseExchange:
+    """The response-rewrite stream of a bootstrap before issue 26: it routes nothing, and puts
+    the requested name back in the response (``requested``; None: the response passes
+    unchanged). Request messages, which such a filter does not send after the first, get the
+    answer that changes nothing."""
+
+    __slots__ = ("_p", "_requested", "_response")
+    routed: Routed | None = None  # nothing is routed on this stream
+
+    def __init__(self, processor: Processor, config: pb.ProtocolConfiguration,
+                 requested: str | None) -> None:
+        self._p = processor
+        self._requested = requested
+        self._response = ResponsePass(processor, config.request_body_mode,
+                                      config.response_body_mode)
+
+    def handle(self, message: pb.ProcessingRequest) -> Replies:
+        """The answers to ``message``."""
+        kind = message.WhichOneof("request")
+        if kind == "response_headers":
+            return self._response.headers(message.response_headers, self._requested)
+        if kind == "response_body":
+            return self._response.body(message.response_body)
+        if kind == "response_trailers":
+            return self._response.trailers()
+        if kind == "request_headers":
+            return (self._p.rewrite_headers_continue,)
+        if kind == "request_body":
+            return (self._p.request_body_continue,)
+        if kind == "request_trailers":
+            return (self._p.request_trailers_continue,)
+        return ()
+
+    def close(self) -> None:
+        """Nothing to account for: the routing stream of the request did (and counted its
+        tokens, when it read them)."""
+
+
+class RoutingExchange:
+    """The routing stream: the request's headers and body in, the destination out (or an
+    ImmediateResponse); then, when Envoy sends them here, the response's headers and body
+    (outcome, served endpoint, usage, the requested name put back).
+
+    How the request body arrives is its :class:`BodyMode`, chosen from ``protocol_config``;
+    the body modes call back :meth:`hold`, :meth:`take_held`, :meth:`answer_body` and
+    :meth:`answer_duplex`. The response passes through a :class:`ResponsePass`."""
+
+    __slots__ = ("_body_ended", "_body_mode", "_chunks", "_held_bytes", "_objective", "_p",
+                 "_refused", "_reports_status", "_request_id", "_request_mode", "_response",
+                 "_response_mode", "_rewrite_to", "_seen", "_selection", "_served_seen",
+                 "_subset", "routed")
 
     def __init__(self, processor: Processor) -> None:
         self._p = processor
         self.routed: Routed | None = None
+        # Envoy 1.34 and later tell the body modes on the first message; until told, the
+        # chunks say how the body comes.
+        self._body_mode: BodyMode = _UNTOLD_BODY
         self._request_mode = BUFFERED
         self._response_mode = NONE
-        self._mode_told = False  # Envoy sent protocol_config (1.34 and later do)
-        self._hold_headers = False
+        # Made at the first response message: a routing stream often sees none.
+        self._response: ResponsePass | None = None
         # The request body as it arrives, while its answers wait for its end.
         self._chunks: list[bytes] = []
-        self._held_chunks = 0
         self._held_bytes = 0
         self._body_ended = False  # the request body's end was answered (routed or refused)
         self._refused = False  # an ImmediateResponse ended the request: nothing more is answered
-        self._rewriter: ResponseRewriter | None = None
         self._rewrite_to: str | None = None  # the requested name, when the response needs it
-        self._response_buffered = False
         self._reports_status = False  # Envoy sends this stream the response headers for it
         self._subset: frozenset[str] | None = None  # the gateway's subset hint
         self._objective: str | None = None  # the InferenceObjective the request names
@@ -276,7 +418,7 @@ class Exchange:
         self._request_id = ""  # Envoy's x-request-id, when recording
         self._seen: ResponseSeen | None = None  # what passed of the response, when recording
 
-    def handle(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
+    def handle(self, message: pb.ProcessingRequest) -> Replies:
         """The answers to ``message`` (none while its answer must wait for more body)."""
         kind = message.WhichOneof("request")
         if kind == "request_body":
@@ -287,8 +429,6 @@ class Exchange:
                 "metadata_context"):
             self._take_served(message.metadata_context)
         if kind == "response_headers":
-            if self._rewrite_to is None and message.HasField("protocol_config"):
-                self._start_with_response(message)  # an earlier bootstrap's rewrite stream
             replies = self._response_headers(message.response_headers)
             if self._p.conformance and self.routed is not None:
                 return _with_served_header(replies, message.metadata_context)
@@ -298,10 +438,15 @@ class Exchange:
         if kind == "request_trailers":
             return self._request_trailers()
         if kind == "response_trailers":
-            if self._response_mode == DUPLEX and self._rewriter is not None:
-                return self._duplex_response_end()
-            return (self._p.response_trailers_continue,)
+            return self._response_pass().trailers()
         return ()
+
+    def close(self) -> None:
+        """The stream ended: the request is no longer in flight; count its token usage (read
+        when this stream saw the response body: ``--record-responses``, FULL_DUPLEX_STREAMED)."""
+        if self.routed is not None:
+            usage = self._response.usage if self._response is not None else None
+            self._p.finished(self.routed, usage, self._seen)
 
     def _take_served(self, metadata: base_pb2.Metadata) -> None:
         served = epp.served_endpoint(metadata)
@@ -309,214 +454,107 @@ class Exchange:
             self._served_seen = True
             self.routed = self._p.served(self.routed, served)
 
-    def close(self) -> None:
-        """The stream ended: the request is no longer in flight; count its token usage (read
-        when this stream saw the response body: ``--record-responses``, FULL_DUPLEX_STREAMED)."""
-        routed = self.routed
-        if routed is None:
-            return
-        usage = self._rewriter.usage if self._rewriter is not None else None
-        if usage is None:
-            self._p.gateway.finished(routed, response=self._seen)
-            return
-        self._p.gateway.finished(routed, usage.prompt_tokens, usage.completion_tokens, self._seen,
-                                 usage.cached_tokens)
-        if usage.cached_tokens is not None:
-            self._p.metrics.count_reuse(routed.pool, routed.cached_on(routed.pod),
-                                        usage.cached_tokens)
-        self._p.metrics.count_tokens(routed.model, routed.registered, usage)
-
     # --- request -------------------------------------------------------------------------
 
-    def _request_headers(self, message: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, ...]:
+    def _request_headers(self, message: pb.ProcessingRequest) -> Replies:
         # A new request (Envoy sends one per stream; a peer may send more): its body starts.
-        self._chunks = []
-        self._held_chunks = self._held_bytes = 0
+        if self._chunks:
+            self._chunks = []
+        self._held_bytes = 0
         self._body_ended = self._refused = False
         if message.HasField("protocol_config"):
-            self._mode_told = True
             config = message.protocol_config
             self._request_mode = config.request_body_mode
             self._response_mode = config.response_body_mode
-            # FULL_DUPLEX_STREAMED sends the body without waiting, too; the headers answer
-            # carries the destination, so it waits for the whole body.
-            self._hold_headers = config.request_body_mode == DUPLEX or (
-                config.send_body_without_waiting_for_header_response
-                and config.request_body_mode == STREAMED)
+            self._body_mode = _body_mode(self._request_mode, config)
+            if self._response is not None:  # a later request on the stream (a peer's)
+                self._response.request_mode = self._request_mode
+                self._response.mode = self._response_mode
         if message.HasField("metadata_context"):
             self._subset = epp.subset_hint(message.metadata_context)
+        headers = message.request_headers
         if self._p.conformance:
-            self._selection = conformance.selection(message.request_headers)
-        if self._request_mode == NONE:
-            requested = _header(message.request_headers, REWRITE_HEADER)
-            if requested is not None:  # an earlier bootstrap's rewrite stream
-                self._rewrite_to = urllib.parse.unquote(requested.decode(errors="replace"))
-                return (self._p.rewrite_headers_continue,)
-        if message.request_headers.end_of_stream or self._request_mode == NONE:
-            headers = message.request_headers
+            self._selection = conformance.selection(headers)
+        if headers.end_of_stream or self._body_mode.routes_on_headers:
             self._body_ended = True
             return (self._answer_headers_with(self._p.route(
                 None, self._subset, method=_text(_header(headers, ":method")),
                 path=_text(_header(headers, ":path")), selection=self._selection)),)
         # Only a request with a body is scheduled, so only it needs the objective header.
-        self._objective = epp.objective(message.request_headers)
+        self._objective = epp.objective(headers)
         if self._p.recording:
-            self._request_id = epp.request_id(message.request_headers)
-        if self._hold_headers:
+            self._request_id = epp.request_id(headers)
+        if self._body_mode.holds_headers:
             return ()
-        self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
+        self._reports_status = self._p.wants_outcome()
         # The conformance suite's served-endpoint header goes on the response headers' answer.
         response_headers = self._reports_status or self._p.conformance
-        if self._request_mode == STREAMED or response_headers:
-            # STREAMED: Envoy would send the headers upstream before the body (and so the
-            # destination) is known: ask for the body buffered instead. Chunks are still
-            # accumulated below should Envoy not allow the override.
+        if self._body_mode.asks_buffered or response_headers:
             return (self._p.headers_continue_buffered(self._response_mode, response_headers),)
         return (self._p.headers_continue,)
 
-    def _answer_headers_with(self, result: Routed | Rejected) -> pb.ProcessingResponse:
-        if isinstance(result, Rejected):
-            return self._refuse(result)
-        self._take(result)
-        reply = pb.ProcessingResponse()
-        common = reply.request_headers.response
-        self._p.set_destination(reply, common, result)
-        return reply
-
-    def _take(self, routed: Routed) -> None:
-        # Envoy routes one request per stream, but a peer may route a second on the same
-        # stream (headers or a body again): the request it replaces is no longer in flight,
-        # and only the newest decision may ask for the response rewrite.
-        if self.routed is not None:
-            self._p.gateway.finished(self.routed)
-        self.routed = routed
-        self._rewrite_to = routed.model if routed.body is not None else None
-
-    def _refuse(self, rejected: Rejected) -> pb.ProcessingResponse:
-        """The ImmediateResponse ending this request: Envoy stops processing it, so whatever
-        else of it arrives (chunks already on their way) is not answered again."""
-        self._chunks = []
-        self._refused = True
-        return self._p.immediate(rejected)
-
-    def _streams_body(self, body: pb.HttpBody) -> bool:
-        """Whether the body comes in several chunks answered at its end, rather than whole in
-        one message (BUFFERED) answered at once.
-
-        Told the mode (``protocol_config``), the mode decides. Not told (Envoy before 1.34,
-        other ext_proc clients), the chunks do: BUFFERED sends the body in one message that
-        ends the stream, so a chunk that does not end it means the body is streamed (STREAMED,
-        or a client that sends the body without waiting, as the llm-d router's EPP tests do).
-        """
-        if self._mode_told:
-            return self._request_mode == STREAMED
-        return self._held_chunks > 0 or not body.end_of_stream
-
-    def _hold(self, chunk: bytes) -> pb.ProcessingResponse | None:
-        """Keep ``chunk`` until the body is complete; the 413 once the body is beyond
-        :data:`MAX_HELD_BODY` (Envoy's own limit does not apply to a body it streams)."""
-        self._held_bytes += len(chunk)
-        if self._held_bytes > MAX_HELD_BODY:
-            return self._refuse(self._p.too_large())
-        self._chunks.append(chunk)
-        self._held_chunks += 1
-        return None
-
-    def _take_held(self) -> tuple[bytes, int]:
-        """The held body, whole, and the number of chunks it came in; nothing is held after."""
-        chunks, count = self._chunks, self._held_chunks
-        self._chunks = []
-        self._held_chunks = 0
-        return (chunks[0] if count == 1 else b"".join(chunks)), count
-
-    def _request_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
+    def _request_body(self, body: pb.HttpBody) -> Replies:
         if self._refused:
             return ()
         if self._body_ended:
-            return self._repeated_end()
-        if self._request_mode == DUPLEX:
-            refused = self._hold(body.body)
-            if refused is not None:
-                return (refused,)
-            if not body.end_of_stream:
-                return ()
-            return self._duplex_request_end(with_trailers=False)
-        if not self._streams_body(body):
-            return self._answer_body(body.body, 1)
-        refused = self._hold(body.body)
-        if refused is not None:
-            return (refused,)
-        if not body.end_of_stream:
-            return ()  # each chunk's answer waits until the whole body is known
-        return self._answer_body(*self._take_held())
+            # Envoy issue #46237 repeats the last chunk, with end of stream, of
+            # FULL_DUPLEX_STREAMED bodies of 1 MB or more: the request was routed on the
+            # first end, and is not routed again. Where Envoy expects an answer per message,
+            # it gets the empty one, which changes nothing; in FULL_DUPLEX_STREAMED the body
+            # went back with its end of stream, and any further body answer would be spurious.
+            self._p.repeated_end()
+            return (self._p.request_body_continue,) if self._body_mode.answers_each_message \
+                else ()
+        return self._body_mode.body(self, body)
 
-    def _repeated_end(self) -> tuple[pb.ProcessingResponse, ...]:
-        """A request body message after the body ended (Envoy issue #46237 repeats the last
-        chunk, with end of stream, of FULL_DUPLEX_STREAMED bodies of 1 MB or more): the
-        request was routed on the first end, and is not routed again.
-
-        FULL_DUPLEX_STREAMED expects no answer per message, and the body already went back
-        with its end of stream: any further body answer would be spurious, so there is none.
-        In the other modes Envoy expects exactly one answer per message: an empty body answer,
-        which changes nothing."""
-        self._p.repeated_end()
-        if self._request_mode == DUPLEX:
-            return ()
-        return (self._p.request_body_continue,)
-
-    def _request_trailers(self) -> tuple[pb.ProcessingResponse, ...]:
+    def _request_trailers(self) -> Replies:
         """The trailers end a body whose last chunk did not: a held body is answered first."""
         if self._refused:
             return ()
         if self._body_ended:
             return (self._p.request_trailers_continue,)
-        if self._request_mode == DUPLEX:  # headers still held
-            return self._duplex_request_end(with_trailers=True)
-        if self._held_chunks:
-            answers = self._answer_body(*self._take_held())
-            if answers[0].HasField("immediate_response"):  # the request ends there
-                return answers
-            return (*answers, self._p.request_trailers_continue)
-        return (self._p.request_trailers_continue,)
+        replies = self._body_mode.trailers(self)
+        if replies and replies[0].HasField("immediate_response"):  # the request ends there
+            return replies
+        return (*replies, self._p.request_trailers_continue)
 
-    def _duplex_request_end(self, with_trailers: bool) -> tuple[pb.ProcessingResponse, ...]:
-        """FULL_DUPLEX_STREAMED: the whole body is here (its last chunk, or the trailers that
-        follow it). Answer in the order Envoy requires: the headers (with the destination),
-        the body sent back as streamed chunks (rewritten when the model was), then the
-        trailers."""
-        self._body_ended = True
-        whole = b"".join(self._chunks)
+    @property
+    def held_chunks(self) -> int:
+        """How many chunks of the body are held."""
+        return len(self._chunks)
+
+    def hold(self, chunk: bytes) -> Replies | None:
+        """Keep ``chunk`` until the body is complete; the 413 once the body is beyond
+        :data:`MAX_HELD_BODY` (Envoy's own limit does not apply to a body it streams)."""
+        self._held_bytes += len(chunk)
+        if self._held_bytes > MAX_HELD_BODY:
+            return (self._refuse(self._p.too_large()),)
+        self._chunks.append(chunk)
+        return None
+
+    def take_held(self) -> tuple[bytes, int]:
+        """The held body, whole, and the number of chunks it came in; nothing is held after."""
+        chunks = self._chunks
         self._chunks = []
-        self._held_chunks = 0
-        result = self._p.route(whole, self._subset, self._objective, request_id=self._request_id,
-                               selection=self._selection)
-        if isinstance(result, Rejected):
-            return (self._refuse(result),)
-        replies = [self._answer_headers_with(result)]
-        self._reports_status = self._p.gateway.wants_outcome() or self._p.record_responses
-        replies.extend(_streamed_bodies(
-            result.body if result.body is not None else whole, not with_trailers, request=True))
-        if with_trailers:
-            replies.append(self._p.request_trailers_continue)
-        return tuple(replies)
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), len(chunks)
 
-    def _answer_body(self, body: bytes, chunks: int) -> tuple[pb.ProcessingResponse, ...]:
-        """Route the complete body that came in ``chunks`` messages: one answer per message,
-        in order (an ImmediateResponse ends the request instead)."""
+    def answer_body(self, body: bytes, chunks: int, headers_held: bool) -> Replies:
+        """Route the complete body that came in ``chunks`` messages: the held headers answer
+        first (``headers_held``), then one answer per message, in order (an ImmediateResponse
+        ends the request instead)."""
         self._body_ended = True
-        result = self._p.route(body, self._subset, self._objective, request_id=self._request_id,
-                               selection=self._selection)
+        result = self._p.route(body, self._subset, self._objective,
+                              request_id=self._request_id, selection=self._selection)
         if isinstance(result, Rejected):
             return (self._refuse(result),)
         self._take(result)
         replies: list[pb.ProcessingResponse] = []
-        if self._hold_headers:
-            replies.append(self._answer_headers_with(result))
-        # One answer per chunk, in order. The destination rides on the first answer Envoy
-        # reads before it forwards the headers; a rewritten body replaces the last chunk and
-        # the earlier ones are cleared.
+        if headers_held:
+            replies.append(self._headers_answer(result))
+        # The destination rides on the first answer Envoy reads before it forwards the
+        # headers; a rewritten body replaces the last chunk and the earlier ones are cleared.
         for index in range(chunks):
-            carries_destination = index == 0 and not self._hold_headers
+            carries_destination = index == 0 and not headers_held
             if result.body is None and not carries_destination:
                 replies.append(self._p.request_body_continue)
                 continue
@@ -533,106 +571,304 @@ class Exchange:
             replies.append(reply)
         return tuple(replies)
 
+    def answer_duplex(self, end_of_stream: bool) -> Replies:
+        """FULL_DUPLEX_STREAMED: the whole body is held (its last chunk came, with
+        ``end_of_stream``, or the trailers after it). Answer in the order Envoy requires: the
+        headers (with the destination), then the body sent back as streamed chunks (rewritten
+        when the model was); the trailers' answer follows, when they ended it."""
+        self._body_ended = True
+        whole, _ = self.take_held()
+        result = self._p.route(whole, self._subset, self._objective,
+                              request_id=self._request_id, selection=self._selection)
+        if isinstance(result, Rejected):
+            return (self._refuse(result),)
+        headers = self._answer_headers_with(result)
+        self._reports_status = self._p.wants_outcome()
+        return (headers, *_streamed_bodies(result.body if result.body is not None else whole,
+                                           end_of_stream, request=True))
+
+    def _answer_headers_with(self, result: Routed | Rejected) -> pb.ProcessingResponse:
+        if isinstance(result, Rejected):
+            return self._refuse(result)
+        self._take(result)
+        return self._headers_answer(result)
+
+    def _headers_answer(self, routed: Routed) -> pb.ProcessingResponse:
+        reply = pb.ProcessingResponse()
+        self._p.set_destination(reply, reply.request_headers.response, routed)
+        return reply
+
+    def _take(self, routed: Routed) -> None:
+        # Envoy routes one request per stream, but a peer may route a second on the same
+        # stream (headers or a body again): the request it replaces is no longer in flight,
+        # and only the newest decision may ask for the response rewrite.
+        if self.routed is not None:
+            self._p.finished(self.routed)
+        self.routed = routed
+        self._rewrite_to = routed.model if routed.body is not None else None
+
+    def _refuse(self, rejected: Rejected) -> pb.ProcessingResponse:
+        """The ImmediateResponse ending this request: Envoy stops processing it, so whatever
+        else of it arrives (chunks already on their way) is not answered again."""
+        self._chunks = []
+        self._refused = True
+        return self._p.immediate(rejected)
+
     # --- response ------------------------------------------------------------------------
 
-    def _start_with_response(self, message: pb.ProcessingRequest) -> None:
-        """A stream whose first message is the response headers: the body mode Envoy uses, and
-        the requested name from the routing answer's dynamic metadata (when it was rewritten)."""
-        self._request_mode = message.protocol_config.request_body_mode
-        self._response_mode = message.protocol_config.response_body_mode
-        fields = message.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-        if fields is not None:
-            requested = fields.fields.get(REQUESTED_MODEL_KEY)
-            if requested is not None and requested.string_value:
-                self._rewrite_to = requested.string_value
+    def _response_pass(self) -> ResponsePass:
+        response = self._response
+        if response is None:
+            response = self._response = ResponsePass(self._p, self._request_mode,
+                                                     self._response_mode)
+        return response
 
-    def _response_headers(self, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, ...]:
-        if self._p.recording and self.routed is not None:
+    def _response_headers(self, headers: pb.HttpHeaders) -> Replies:
+        routed = self.routed
+        if self._p.recording and routed is not None:
             self._seen = ResponseSeen(_status(headers))
-        if self._response_mode == DUPLEX:
-            return self._duplex_response_headers(headers)
-        if self._reports_status:
-            self._reports_status = False
-            if self.routed is not None:
-                self._p.gateway.responded(self.routed, _status(headers))
-                if self._p.record_responses and not headers.end_of_stream:
-                    return (self._read_response(headers),)
-            return (self._p.response_headers_continue,)  # Envoy puts the name back
-        rewrite_to = self._rewrite_to
-        if headers.end_of_stream or (rewrite_to is None and self._response_mode == NONE):
+        response = self._response_pass()
+        if response.mode == DUPLEX:  # the response passes here whatever was asked
+            if self._reports_status and routed is not None:
+                self._reports_status = False
+                self._p.responded(routed, _status(headers))
+            return response.headers(headers, self._rewrite_to)
+        if not self._reports_status:
+            return response.headers(headers, self._rewrite_to)
+        # Asked for its status (the gray-pod guard's sample, --record-responses): Envoy's
+        # response-rewrite filter puts the name back, so only --record-responses reads on.
+        self._reports_status = False
+        if routed is None:
+            return (self._p.response_headers_continue,)
+        self._p.responded(routed, _status(headers))
+        if self._p.record_responses and not headers.end_of_stream:
+            reply = response.read(headers)
+            self._response_mode = response.mode  # what it asked for, for a later request
+            return (reply,)
+        return (self._p.response_headers_continue,)
+
+    def _response_body(self, body: pb.HttpBody) -> Replies:
+        seen = self._seen
+        if seen is not None and not seen.first_byte_ns and body.body:
+            seen.first_byte_ns = time.perf_counter_ns()
+        return self._response_pass().body(body)
+
+
+class BodyMode(abc.ABC):
+    """How a request body arrives and is answered, by the body mode Envoy sends it in: one
+    shared, stateless instance per mode, acting on the :class:`RoutingExchange` (which holds
+    the chunks).
+
+    ``holds_headers``: the headers answer waits for the body's end, as Envoy sends the body
+    without waiting for it and it must carry the destination. ``asks_buffered``: the headers
+    answer asks Envoy to buffer the body (``mode_override``). ``answers_each_message``: Envoy
+    expects an answer per body message. ``routes_on_headers``: no body comes (NONE), so the
+    request is routed on its headers."""
+
+    holds_headers = False
+    asks_buffered = False
+    answers_each_message = True
+    routes_on_headers = False
+
+    @abc.abstractmethod
+    def body(self, exchange: RoutingExchange, body: pb.HttpBody) -> Replies:
+        """The answers to one body message (none while they wait for the body's end)."""
+
+    @abc.abstractmethod
+    def trailers(self, exchange: RoutingExchange) -> Replies:
+        """The answers the body gets when the trailers end it (before the trailers' own)."""
+
+
+class BufferedBody(BodyMode):
+    """BUFFERED (and BUFFERED_PARTIAL): the body comes whole, in one message, routed and
+    answered at once; told BUFFERED, also without end of stream (trailers follow it)."""
+
+    def body(self, exchange: RoutingExchange, body: pb.HttpBody) -> Replies:
+        """Route the body and answer its one message."""
+        return exchange.answer_body(body.body, 1, headers_held=False)
+
+    def trailers(self, exchange: RoutingExchange) -> Replies:
+        """Nothing: a buffered body was answered when it came."""
+        return ()
+
+
+class NoBody(BufferedBody):
+    """NONE: Envoy sends no body; the request is routed on its headers."""
+
+    routes_on_headers = True
+
+
+class StreamedBody(BodyMode):
+    """STREAMED: chunks as they arrive, each expecting an answer; the chunks are held, whole,
+    up to :data:`MAX_HELD_BODY`, and answered at the body's end, one answer per chunk.
+
+    Envoy would send the headers upstream once answered, before the destination is known: the
+    headers answer asks for BUFFERED instead (the chunks are still held should Envoy not allow
+    the override), or, when Envoy sends the body without waiting for it, waits for the body
+    and goes out first, carrying the destination."""
+
+    asks_buffered = True
+
+    def __init__(self, holds_headers: bool) -> None:
+        self.holds_headers = holds_headers
+
+    def body(self, exchange: RoutingExchange, body: pb.HttpBody) -> Replies:
+        """Hold the chunk; at the body's end, route it and answer every chunk."""
+        refused = exchange.hold(body.body)
+        if refused is not None:
+            return refused
+        if not body.end_of_stream:
+            return ()  # each chunk's answer waits until the whole body is known
+        return exchange.answer_body(*exchange.take_held(), headers_held=self.holds_headers)
+
+    def trailers(self, exchange: RoutingExchange) -> Replies:
+        """Route the held body, if any, and answer every chunk."""
+        if not exchange.held_chunks:
+            return ()
+        return exchange.answer_body(*exchange.take_held(), headers_held=self.holds_headers)
+
+
+class UntoldBody(BodyMode):
+    """No ``protocol_config`` (Envoy before 1.34, other ext_proc clients): taken to wait for
+    each answer, as Envoy does by default. BUFFERED sends the body in one message that ends
+    the stream, so a chunk that does not end it means the body is streamed (STREAMED, or a
+    client that sends the body without waiting, as the llm-d router's EPP tests do)."""
+
+    def body(self, exchange: RoutingExchange, body: pb.HttpBody) -> Replies:
+        """A body whole in one message as BUFFERED, any other as STREAMED."""
+        if exchange.held_chunks or not body.end_of_stream:
+            return _STREAMED_BODY.body(exchange, body)
+        return _BUFFERED_BODY.body(exchange, body)
+
+    def trailers(self, exchange: RoutingExchange) -> Replies:
+        """As STREAMED: a held body is answered."""
+        return _STREAMED_BODY.trailers(exchange)
+
+
+class FullDuplexBody(BodyMode):
+    """FULL_DUPLEX_STREAMED: Envoy sends the body without waiting and expects no answer per
+    message. The body is held, whole, up to :data:`MAX_HELD_BODY`; at its end the held
+    headers answer goes out with the destination, then the body, sent back in streamed
+    chunks."""
+
+    holds_headers = True
+    answers_each_message = False
+
+    def body(self, exchange: RoutingExchange, body: pb.HttpBody) -> Replies:
+        """Hold the chunk; at the body's end, route it and send it back."""
+        refused = exchange.hold(body.body)
+        if refused is not None:
+            return refused
+        if not body.end_of_stream:
+            return ()
+        return exchange.answer_duplex(end_of_stream=True)
+
+    def trailers(self, exchange: RoutingExchange) -> Replies:
+        """Route the held body (an empty one, when none came) and send it back."""
+        return exchange.answer_duplex(end_of_stream=False)
+
+
+_BUFFERED_BODY = BufferedBody()
+_NO_BODY = NoBody()
+_STREAMED_BODY = StreamedBody(holds_headers=False)
+_STREAMED_BODY_WITHOUT_WAITING = StreamedBody(holds_headers=True)
+_UNTOLD_BODY = UntoldBody()
+_FULL_DUPLEX_BODY = FullDuplexBody()
+
+
+def _body_mode(mode: int, config: pb.ProtocolConfiguration) -> BodyMode:
+    """The request body ``mode`` Envoy says it uses (in ``config``)."""
+    if mode == DUPLEX:
+        return _FULL_DUPLEX_BODY
+    if mode == STREAMED:
+        return (_STREAMED_BODY_WITHOUT_WAITING
+                if config.send_body_without_waiting_for_header_response else _STREAMED_BODY)
+    if mode == NONE:
+        return _NO_BODY
+    return _BUFFERED_BODY
+
+
+class ResponsePass:
+    """The response as it passes a stream: the body modes Envoy uses (``request_mode`` is
+    restated in any ``mode_override``), and the :class:`ResponseRewriter` that puts the
+    requested name back and reads the usage. In FULL_DUPLEX_STREAMED every body chunk comes
+    back through the picker; in the other modes each answer may change or keep its chunk."""
+
+    __slots__ = ("_buffered", "_p", "mode", "request_mode", "rewriter")
+
+    def __init__(self, processor: Processor, request_mode: int, mode: int) -> None:
+        self._p = processor
+        self.request_mode = request_mode
+        self.mode = mode
+        self.rewriter: ResponseRewriter | None = None
+        self._buffered = False
+
+    @property
+    def usage(self) -> Usage | None:
+        """The usage the response reported, when its body passed here."""
+        return self.rewriter.usage if self.rewriter is not None else None
+
+    def headers(self, headers: pb.HttpHeaders, requested: str | None) -> Replies:
+        """Answer the response headers; with ``requested``, ask for the body (BUFFERED for
+        JSON, STREAMED for Server-Sent Events) to put that name back."""
+        if self.mode == DUPLEX:
+            return self._duplex_headers(headers, requested)
+        if headers.end_of_stream or (requested is None and self.mode == NONE):
             return (self._p.response_headers_continue,)
         sse = _is_event_stream(headers)
-        wanted = STREAMED if sse else BUFFERED
-        if rewrite_to is None:
-            self._rewriter = ResponseRewriter(None, sse)
-            self._response_buffered = self._response_mode == BUFFERED
+        if requested is None:  # the body passes here anyway: read its usage
+            self.rewriter = ResponseRewriter(None, sse)
+            self._buffered = self.mode == BUFFERED
             return (self._p.response_headers_continue,)
-        self._rewriter = ResponseRewriter(rewrite_to, sse)
+        self.rewriter = ResponseRewriter(requested, sse)
         reply = pb.ProcessingResponse()
         common = reply.response_headers.response
-        mode = self._response_mode
-        if mode != wanted:
-            reply.mode_override.request_body_mode = self._request_mode
+        wanted = STREAMED if sse else BUFFERED
+        if self.mode != wanted:
+            reply.mode_override.request_body_mode = self.request_mode
             reply.mode_override.response_body_mode = wanted
-            mode = wanted
-        self._response_buffered = mode == BUFFERED
-        if not self._response_buffered:
+        self._buffered = wanted == BUFFERED
+        if not self._buffered:
             # Chunks change length as they pass: let Envoy frame the body instead.
             common.header_mutation.remove_headers.append("content-length")
         else:
             common.SetInParent()
         return (reply,)
 
-    def _read_response(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def read(self, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
         """``--record-responses``: ask for the body (BUFFERED JSON, STREAMED events) to read its
         usage and first byte; nothing of it is changed (a rewritten model name is put back by
         Envoy's response-rewrite filter)."""
         sse = _is_event_stream(headers)
-        self._rewriter = ResponseRewriter(None, sse)
+        self.rewriter = ResponseRewriter(None, sse)
         reply = pb.ProcessingResponse()
         reply.response_headers.response.SetInParent()
-        reply.mode_override.request_body_mode = self._request_mode
+        reply.mode_override.request_body_mode = self.request_mode
         reply.mode_override.response_body_mode = STREAMED if sse else BUFFERED
-        self._response_mode = reply.mode_override.response_body_mode
-        self._response_buffered = not sse
+        self.mode = reply.mode_override.response_body_mode
+        self._buffered = not sse
         return reply
 
-    def _duplex_response_headers(self, headers: pb.HttpHeaders
-                                 ) -> tuple[pb.ProcessingResponse, ...]:
-        """FULL_DUPLEX_STREAMED response: every body chunk must come back through the picker,
-        so a rewriter (a pass-through one reading usage, unless the model is put back) always
-        runs; its chunks change length when rewriting, so Envoy frames the body then."""
-        if self._reports_status and self.routed is not None:
-            self._reports_status = False
-            self._p.gateway.responded(self.routed, _status(headers))
+    def _duplex_headers(self, headers: pb.HttpHeaders, requested: str | None) -> Replies:
+        """FULL_DUPLEX_STREAMED: a rewriter (a pass-through one reading usage, unless the name
+        is put back) always runs; its chunks change length when rewriting, so Envoy frames
+        the body then."""
         if headers.end_of_stream:
             return (self._p.response_headers_continue,)
-        self._rewriter = ResponseRewriter(self._rewrite_to, _is_event_stream(headers))
-        if self._rewrite_to is None:
+        self.rewriter = ResponseRewriter(requested, _is_event_stream(headers))
+        if requested is None:
             return (self._p.response_headers_continue,)
         reply = pb.ProcessingResponse()
         reply.response_headers.response.header_mutation.remove_headers.append("content-length")
         return (reply,)
 
-    def _duplex_response_end(self) -> tuple[pb.ProcessingResponse, ...]:
-        """Response trailers after a body whose last chunk did not end the stream: whatever
-        the rewriter holds goes out before the trailers' answer."""
-        assert self._rewriter is not None
-        held = self._rewriter.feed(b"", True) or b""
-        replies = list(_streamed_bodies(held, False, request=False)) if held else []
-        replies.append(self._p.response_trailers_continue)
-        return tuple(replies)
-
-    def _response_body(self, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, ...]:
-        seen = self._seen
-        if seen is not None and not seen.first_byte_ns and body.body:
-            seen.first_byte_ns = time.perf_counter_ns()
-        if self._response_mode == DUPLEX:
-            new = (self._rewriter.feed(body.body, body.end_of_stream)
-                   if self._rewriter is not None else None)
+    def body(self, body: pb.HttpBody) -> Replies:
+        """The chunk, rewritten or not: sent back (FULL_DUPLEX_STREAMED), or its answer."""
+        rewriter = self.rewriter
+        if self.mode == DUPLEX:
+            new = rewriter.feed(body.body, body.end_of_stream) if rewriter is not None else None
             return _streamed_bodies(body.body if new is None else new, body.end_of_stream,
                                     request=False)
-        rewriter = self._rewriter
         if rewriter is None:
             return (self._p.response_body_continue,)
         new = rewriter.feed(body.body, body.end_of_stream)
@@ -644,13 +880,22 @@ class Exchange:
             common.body_mutation.body = new
         else:
             common.body_mutation.clear_body = True
-        if self._response_buffered and body.end_of_stream:
+        if self._buffered and body.end_of_stream:
             _set_header(common.header_mutation, "content-length", str(len(new)).encode())
         return (reply,)
 
+    def trailers(self) -> Replies:
+        """FULL_DUPLEX_STREAMED trailers after a body whose last chunk did not end the stream:
+        whatever the rewriter holds goes out before the trailers' answer."""
+        if self.mode != DUPLEX or self.rewriter is None:
+            return (self._p.response_trailers_continue,)
+        held = self.rewriter.feed(b"", True) or b""
+        replies = list(_streamed_bodies(held, False, request=False)) if held else []
+        replies.append(self._p.response_trailers_continue)
+        return tuple(replies)
 
-def _with_served_header(replies: tuple[pb.ProcessingResponse, ...], metadata: base_pb2.Metadata
-                        ) -> tuple[pb.ProcessingResponse, ...]:
+
+def _with_served_header(replies: Replies, metadata: base_pb2.Metadata) -> Replies:
     """``--conformance-test-headers``: the response headers' answer (the first of ``replies``;
     a copy, as it may be a shared prebuilt one) also sets the served-endpoint header."""
     reply = pb.ProcessingResponse()
@@ -660,8 +905,7 @@ def _with_served_header(replies: tuple[pb.ProcessingResponse, ...], metadata: ba
     return (reply, *replies[1:])
 
 
-def _streamed_bodies(body: bytes, end_of_stream: bool, *, request: bool
-                     ) -> tuple[pb.ProcessingResponse, ...]:
+def _streamed_bodies(body: bytes, end_of_stream: bool, *, request: bool) -> Replies:
     """``body`` as FULL_DUPLEX_STREAMED body answers (streamed body mutations of at most
     :data:`DUPLEX_CHUNK` bytes; ``end_of_stream`` on the last); one empty answer for an
     empty body."""
