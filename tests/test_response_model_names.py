@@ -226,6 +226,13 @@ def test_requests_a_picker_held_when_it_failed_are_routed_by_another(
         pickers[0].signal(fault)
         if fault == signal.SIGKILL:
             pickers[0].wait(5)
+        else:
+            # Envoy's health check finds a hung picker within 1.5 s, before the 2 s message
+            # timeout hands its requests on; a loaded machine can delay the check itself, so the
+            # test waits for it rather than race it (what it checks is the hand-over).
+            healthy = "cluster.picker.membership_healthy"
+            wait_until(lambda: envoy.stats(healthy).get(healthy) == 1, within=20,
+                       what="Envoy marking the stopped picker unhealthy")
         release.set()
         for client in clients:
             client.join(60)
