@@ -112,6 +112,23 @@ def _judge_json(answer: Answer) -> str:
     return "error"
 
 
+def _two_rewriting_pickers(feed: FleetFeed, pods: SimulatedPods, nats_url: str,
+                           picker_process: Callable[..., PickerProcess]) -> list[PickerProcess]:
+    """Two idle pods of ``POOL`` registered through ``feed``, ``REQUESTED`` sent to ``TARGET``,
+    and two pickers that both resolve the name (before any request is judged)."""
+    feed.set_pool()
+    feed.set_model(REQUESTED, target_models=[{"name": TARGET, "weight": 1}])
+    members = {f"pod-{i}": pods.address(i) for i in range(2)}
+    feed.set_endpoints(members)
+    feed.set_many({name: (address, dict(IDLE)) for name, address in members.items()})
+    pickers = [picker_process(POOL, nats_url, stale_after=3.0).wait_ready() for _ in range(2)]
+    probe = msgspec.json.encode({"model": REQUESTED, "prompt": "hi"})
+    for picker in pickers:
+        wait_until(lambda p=picker: route_sync(p.grpc_port, probe).rewrite == REQUESTED,
+                   within=20, what="the picker rewrites tweet-summary")
+    return pickers
+
+
 def test_a_picker_killed_mid_stream_leaves_no_answer_naming_the_target(
         tmp_path: Path, nats_server: NatsServer,
         simulated_pods: Callable[..., SimulatedPods],
@@ -120,17 +137,7 @@ def test_a_picker_killed_mid_stream_leaves_no_answer_naming_the_target(
     pods = simulated_pods(2, model=TARGET, time_scale=TIME_SCALE)
     feed = FleetFeed(nats_server.url, POOL, interval=0.1).start()
     try:
-        feed.set_pool()
-        feed.set_model(REQUESTED, target_models=[{"name": TARGET, "weight": 1}])
-        members = {f"pod-{i}": pods.address(i) for i in range(2)}
-        feed.set_endpoints(members)
-        feed.set_many({name: (address, dict(IDLE)) for name, address in members.items()})
-        pickers = [picker_process(POOL, nats_server.url, stale_after=3.0).wait_ready()
-                   for _ in range(2)]
-        probe = msgspec.json.encode({"model": REQUESTED, "prompt": "hi"})
-        for picker in pickers:  # each replica resolves the name before any request is judged
-            wait_until(lambda p=picker: route_sync(p.grpc_port, probe).rewrite == REQUESTED,
-                       within=20, what="the picker rewrites tweet-summary")
+        pickers = _two_rewriting_pickers(feed, pods, nats_server.url, picker_process)
         envoy = envoy_gateway([p.endpoint for p in pickers])
 
         answers = [Answer(path, stream)
@@ -199,17 +206,7 @@ def test_requests_a_picker_held_when_it_failed_are_routed_by_another(
     feed = FleetFeed(nats_server.url, POOL, interval=0.1).start()
     pickers: list[PickerProcess] = []
     try:
-        feed.set_pool()
-        feed.set_model(REQUESTED, target_models=[{"name": TARGET, "weight": 1}])
-        members = {f"pod-{i}": pods.address(i) for i in range(2)}
-        feed.set_endpoints(members)
-        feed.set_many({name: (address, dict(IDLE)) for name, address in members.items()})
-        pickers = [picker_process(POOL, nats_server.url, stale_after=3.0).wait_ready()
-                   for _ in range(2)]
-        probe = msgspec.json.encode({"model": REQUESTED, "prompt": "hi"})
-        for picker in pickers:
-            wait_until(lambda p=picker: route_sync(p.grpc_port, probe).rewrite == REQUESTED,
-                       within=20, what="the picker rewrites tweet-summary")
+        pickers = _two_rewriting_pickers(feed, pods, nats_server.url, picker_process)
         envoy = envoy_gateway([p.endpoint for p in pickers])
 
         release = threading.Event()
