@@ -16,16 +16,12 @@ Run: ``.venv/bin/python bench/bench_exchange.py [--rev main] [--exchanges 20000]
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import timeit
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +30,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
+from bench.baseline import module_at
 from services.picker import ext_proc
 from services.picker.observability import PickerMetrics
 from services.picker.pools import Gateway
@@ -49,23 +46,8 @@ from shared.schemas import (
     PolicyConfig,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 POOL = "pool-a"
 HEADER = "x-gateway-destination-endpoint"
-
-
-def module_at(rev: str) -> ModuleType:
-    """``services/picker/ext_proc.py`` as it was at ``rev``, imported as a module of its own
-    (it imports the rest of the tree as it is now)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:services/picker/ext_proc.py"],
-                            capture_output=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "ext_proc_baseline.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("ext_proc_baseline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def gateway(pods: int) -> Gateway:
@@ -126,7 +108,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     headers, body = messages()
-    modules = {"baseline": module_at(args.rev), "this tree": ext_proc}
+    baseline = module_at(args.rev, "services/picker/ext_proc.py", "ext_proc_baseline")
+    modules = {"baseline": baseline, "this tree": ext_proc}
     times: dict[str, list[float]] = {name: [] for name in modules}
     for round_ in range(args.rounds):  # interleaved, each first in every other round
         for name in list(modules)[::1 if round_ % 2 else -1]:

@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +46,7 @@ import hpack
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.baseline import module_at  # noqa: E402
 from protocols import http2 as new_http2  # noqa: E402
 from protocols import http2_limits  # noqa: E402
 from protocols.http2_limits import MIB, BufferBudget, Http2Limits  # noqa: E402
@@ -72,16 +71,8 @@ def load_old(rev: str) -> ModuleType:
     The old revisions kept it in services/picker/, and the budget's baseline imports
     ``services.picker.http2_limits``: that name is given the current limits module, as the old
     server got before the protocol code moved to protocols/."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:services/picker/http2.py"],
-                            check=True, capture_output=True).stdout
     sys.modules.setdefault("services.picker.http2_limits", http2_limits)
-    path = Path(tempfile.mkdtemp(prefix="http2-old-")) / "http2_old.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("http2_old", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_at(rev, "services/picker/http2.py", "http2_old")
 
 
 def connection(module: ModuleType, max_message: int = 1000,
